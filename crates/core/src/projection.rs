@@ -1,0 +1,353 @@
+//! `project()`: durable state to the product states a person sees (DESIGN.md §8). Worker
+//! churn never shows: a takeover changes nothing visible unless what is *known* changed.
+
+use serde::{Deserialize, Serialize};
+
+use crate::checkpoint::Checkpoint;
+use crate::state::{AttemptState, Outcome, StepState, WorkflowState};
+use crate::text_enum::text_enum;
+
+text_enum! {
+    /// What a person is told about a step or a workflow.
+    pub enum ProductState("product state") {
+        Preparing = "preparing",
+        WaitingOnExternalService = "waiting_on_external_service",
+        RecoveringExecution = "recovering_execution",
+        NeedsReview = "needs_review",
+        Completed = "completed",
+        Failed = "failed",
+        Cancelled = "cancelled",
+    }
+}
+
+impl ProductState {
+    /// The wording shown in the console and the CLI.
+    pub const fn label(self) -> &'static str {
+        match self {
+            Self::Preparing => "Preparing",
+            Self::WaitingOnExternalService => "Waiting on an external service",
+            Self::RecoveringExecution => "Recovering execution",
+            Self::NeedsReview => "Delivery status needs review",
+            Self::Completed => "Completed",
+            Self::Failed => "Failed",
+            Self::Cancelled => "Cancelled",
+        }
+    }
+
+    /// Order of attention when several steps of one workflow differ: a person is shown the
+    /// state that most needs them.
+    const fn urgency(self) -> u8 {
+        match self {
+            Self::NeedsReview => 6,
+            Self::RecoveringExecution => 5,
+            Self::WaitingOnExternalService => 4,
+            Self::Preparing => 3,
+            Self::Failed => 2,
+            Self::Cancelled => 1,
+            Self::Completed => 0,
+        }
+    }
+}
+
+/// The durable facts about one step that its product state is computed from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StepFacts {
+    pub state: StepState,
+    /// The last durable checkpoint of the step's latest attempt, if it had one.
+    pub checkpoint: Option<Checkpoint>,
+    /// The latest attempt's state, if it had one.
+    pub last_attempt: Option<AttemptState>,
+    /// The receipt's outcome, if the step has its receipt.
+    pub receipt: Option<Outcome>,
+    /// The lease has passed `expires_at` by PostgreSQL's clock and nobody took it over yet.
+    pub lease_expired: bool,
+    /// `next_eligible_at` is in the future (a rate limit's retry-after).
+    pub waiting_for_eligibility: bool,
+}
+
+/// The product state of one step.
+///
+/// Only a receipt says *Completed*. Once an invocation may have begun, no state without a
+/// receipt reads as finished: an unknown outcome shows as needing review, never as failed or
+/// cancelled, because the external effect may exist.
+pub fn project(f: &StepFacts) -> ProductState {
+    use ProductState as P;
+    match f.receipt {
+        Some(Outcome::Succeeded) => return P::Completed,
+        Some(Outcome::Failed) => return P::Failed,
+        None => {}
+    }
+    let invoked = f.checkpoint.is_some_and(Checkpoint::may_have_invoked);
+    match f.state {
+        StepState::NeedsReview => P::NeedsReview,
+        // terminal without a receipt: only honest when nothing can have been sent
+        StepState::Completed => P::NeedsReview,
+        StepState::Failed | StepState::Cancelled if invoked => P::NeedsReview,
+        StepState::Failed => P::Failed,
+        StepState::Cancelled => P::Cancelled,
+        StepState::Blocked if !invoked => P::Preparing,
+        StepState::Recovering | StepState::Leased if !invoked => P::Preparing,
+        StepState::Recovering => P::RecoveringExecution,
+        StepState::Leased if f.lease_expired => P::RecoveringExecution,
+        StepState::Leased => P::WaitingOnExternalService,
+        // waiting for a turn (blocked steps never ran; the arm keeps impossible rows honest)
+        StepState::Ready | StepState::Blocked if f.waiting_for_eligibility => {
+            P::WaitingOnExternalService
+        }
+        StepState::Ready | StepState::Blocked
+            if invoked && f.last_attempt == Some(AttemptState::Expired) =>
+        {
+            P::RecoveringExecution
+        }
+        StepState::Ready | StepState::Blocked => P::Preparing,
+    }
+}
+
+/// The product state of a workflow from its own state and its steps' product states.
+pub fn project_workflow(
+    workflow: WorkflowState,
+    steps: impl IntoIterator<Item = ProductState>,
+) -> ProductState {
+    let most_urgent = steps.into_iter().max_by_key(|s| s.urgency());
+    match (workflow, most_urgent) {
+        // an unknown outcome outlives the workflow's end: someone still has to look
+        (_, Some(ProductState::NeedsReview)) => ProductState::NeedsReview,
+        (WorkflowState::Completed, _) => ProductState::Completed,
+        (WorkflowState::Failed, _) => ProductState::Failed,
+        (WorkflowState::Cancelled, _) => ProductState::Cancelled,
+        (WorkflowState::Running, None) => ProductState::Preparing,
+        (WorkflowState::Running, Some(ProductState::Completed)) => ProductState::Completed,
+        // a running workflow whose steps all ended is being wound up
+        (WorkflowState::Running, Some(ProductState::Failed | ProductState::Cancelled)) => {
+            ProductState::Preparing
+        }
+        (WorkflowState::Running, Some(s)) => s,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn all_facts() -> Vec<StepFacts> {
+        let mut out = Vec::new();
+        let checkpoints: Vec<_> = std::iter::once(None)
+            .chain(Checkpoint::ALL.iter().copied().map(Some))
+            .collect();
+        let attempts: Vec<_> = std::iter::once(None)
+            .chain(AttemptState::ALL.iter().copied().map(Some))
+            .collect();
+        let receipts = [None, Some(Outcome::Succeeded), Some(Outcome::Failed)];
+        for &state in StepState::ALL {
+            for &checkpoint in &checkpoints {
+                for &last_attempt in &attempts {
+                    for receipt in receipts {
+                        for lease_expired in [false, true] {
+                            for waiting_for_eligibility in [false, true] {
+                                out.push(StepFacts {
+                                    state,
+                                    checkpoint,
+                                    last_attempt,
+                                    receipt,
+                                    lease_expired,
+                                    waiting_for_eligibility,
+                                });
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn only_a_receipt_reads_as_completed() {
+        for f in all_facts() {
+            let p = project(&f);
+            assert_eq!(
+                p == ProductState::Completed,
+                f.receipt == Some(Outcome::Succeeded),
+                "{f:?} -> {p}"
+            );
+        }
+    }
+
+    #[test]
+    fn an_unknown_outcome_never_reads_as_finished_or_not_started() {
+        for f in all_facts() {
+            let invoked = f.checkpoint.is_some_and(Checkpoint::may_have_invoked);
+            if invoked && f.receipt.is_none() {
+                let p = project(&f);
+                assert!(
+                    !matches!(
+                        p,
+                        ProductState::Completed
+                            | ProductState::Failed
+                            | ProductState::Cancelled
+                            | ProductState::Preparing
+                    ) || (p == ProductState::Preparing
+                        && matches!(f.state, StepState::Ready | StepState::Blocked)
+                        && f.last_attempt != Some(AttemptState::Expired)),
+                    "{f:?} -> {p}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_takeover_before_invocation_is_invisible() {
+        for f in all_facts() {
+            let invoked = f.checkpoint.is_some_and(Checkpoint::may_have_invoked);
+            if !invoked && f.receipt.is_none() && f.state.holds_lease() {
+                assert_eq!(project(&f), ProductState::Preparing, "{f:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn every_combination_has_a_defined_state() {
+        let all = all_facts();
+        assert_eq!(all.len(), 8 * 6 * 6 * 3 * 2 * 2);
+        for f in all {
+            let p = project(&f);
+            let expected = match (f.receipt, f.state) {
+                (Some(Outcome::Succeeded), _) => ProductState::Completed,
+                (Some(Outcome::Failed), _) => ProductState::Failed,
+                (None, StepState::NeedsReview | StepState::Completed) => ProductState::NeedsReview,
+                (None, StepState::Blocked) if f.checkpoint.is_none() => ProductState::Preparing,
+                _ => p, // the remaining rows are pinned by the targeted tests below
+            };
+            assert_eq!(p, expected, "{f:?}");
+            assert!(!p.label().is_empty());
+        }
+    }
+
+    #[test]
+    fn leased_steps_show_waiting_then_recovering_once_the_lease_lapses() {
+        let base = StepFacts {
+            state: StepState::Leased,
+            checkpoint: Some(Checkpoint::InvocationBegan),
+            last_attempt: Some(AttemptState::Active),
+            receipt: None,
+            lease_expired: false,
+            waiting_for_eligibility: false,
+        };
+        assert_eq!(project(&base), ProductState::WaitingOnExternalService);
+        assert_eq!(
+            project(&StepFacts {
+                lease_expired: true,
+                ..base
+            }),
+            ProductState::RecoveringExecution
+        );
+        assert_eq!(
+            project(&StepFacts {
+                state: StepState::Recovering,
+                ..base
+            }),
+            ProductState::RecoveringExecution
+        );
+        assert_eq!(
+            project(&StepFacts {
+                state: StepState::Cancelled,
+                ..base
+            }),
+            ProductState::NeedsReview
+        );
+    }
+
+    #[test]
+    fn rate_limited_and_retried_steps_read_as_the_person_would_expect() {
+        let ready = StepFacts {
+            state: StepState::Ready,
+            checkpoint: Some(Checkpoint::InvocationBegan),
+            last_attempt: Some(AttemptState::Released),
+            receipt: None,
+            lease_expired: false,
+            waiting_for_eligibility: true,
+        };
+        assert_eq!(project(&ready), ProductState::WaitingOnExternalService);
+        let eligible = StepFacts {
+            waiting_for_eligibility: false,
+            ..ready
+        };
+        assert_eq!(project(&eligible), ProductState::Preparing);
+        let retried = StepFacts {
+            last_attempt: Some(AttemptState::Expired),
+            ..eligible
+        };
+        assert_eq!(project(&retried), ProductState::RecoveringExecution);
+        let never_ran = StepFacts {
+            checkpoint: None,
+            last_attempt: None,
+            ..eligible
+        };
+        assert_eq!(project(&never_ran), ProductState::Preparing);
+        let failed = StepFacts {
+            state: StepState::Failed,
+            checkpoint: Some(Checkpoint::RequestIdentityPersisted),
+            ..never_ran
+        };
+        assert_eq!(project(&failed), ProductState::Failed);
+        let cancelled = StepFacts {
+            state: StepState::Cancelled,
+            ..never_ran
+        };
+        assert_eq!(project(&cancelled), ProductState::Cancelled);
+    }
+
+    #[test]
+    fn workflow_shows_the_state_that_most_needs_a_person() {
+        use ProductState as P;
+        let r = WorkflowState::Running;
+        assert_eq!(
+            project_workflow(r, [P::Completed, P::NeedsReview, P::Preparing]),
+            P::NeedsReview
+        );
+        assert_eq!(
+            project_workflow(
+                r,
+                [
+                    P::Completed,
+                    P::RecoveringExecution,
+                    P::WaitingOnExternalService
+                ]
+            ),
+            P::RecoveringExecution
+        );
+        assert_eq!(
+            project_workflow(r, [P::Completed, P::WaitingOnExternalService, P::Preparing]),
+            P::WaitingOnExternalService
+        );
+        assert_eq!(
+            project_workflow(r, [P::Completed, P::Preparing]),
+            P::Preparing
+        );
+        assert_eq!(project_workflow(r, []), P::Preparing);
+        assert_eq!(
+            project_workflow(WorkflowState::Completed, [P::Completed, P::Completed]),
+            P::Completed
+        );
+        assert_eq!(
+            project_workflow(WorkflowState::Cancelled, [P::Cancelled, P::Completed]),
+            P::Cancelled
+        );
+        assert_eq!(
+            project_workflow(WorkflowState::Cancelled, [P::Cancelled, P::NeedsReview]),
+            P::NeedsReview
+        );
+        assert_eq!(
+            project_workflow(WorkflowState::Failed, [P::Failed, P::Cancelled]),
+            P::Failed
+        );
+        for &w in WorkflowState::ALL {
+            for &s in P::ALL {
+                let p = project_workflow(w, [s]);
+                if s == P::NeedsReview {
+                    assert_eq!(p, P::NeedsReview);
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,238 @@
+//! `classify()`: the recovery table of DESIGN.md §6. Lease expiry starts reasoning, never
+//! repetition: the decision depends on durable evidence and the adapter's capability, and an
+//! ambiguous step is never made plainly ready.
+
+use serde::{Deserialize, Serialize};
+
+use crate::capability::AdapterCapability;
+use crate::checkpoint::Checkpoint;
+use crate::text_enum::text_enum;
+
+/// What recovery knows about a step after taking its recovery lease.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Evidence {
+    /// The expired attempt's last durable checkpoint; `None` when there was no attempt.
+    pub checkpoint: Option<Checkpoint>,
+    pub capability: AdapterCapability,
+    /// The step already has its receipt.
+    pub receipt: bool,
+    /// An external result is on record without a receipt: a `ResponseObserved` checkpoint or a
+    /// late observation for the step's request identity.
+    pub observed_result: bool,
+    /// The step policy allows another attempt.
+    pub attempts_left: bool,
+}
+
+text_enum! {
+    /// The row of the recovery table a step fell into. Recorded with every decision so that
+    /// operators see recovery *categories*, not just expiry counts.
+    pub enum RecoveryCategory("recovery category") {
+        NoRequestIdentity = "no_request_identity",
+        IdentityNotInvoked = "identity_not_invoked",
+        InvokedIdempotent = "invoked_idempotent",
+        InvokedQueryable = "invoked_queryable",
+        InvokedOpaque = "invoked_opaque",
+        ResultObserved = "result_observed",
+        ReceiptExists = "receipt_exists",
+    }
+}
+
+text_enum! {
+    /// What recovery does about a step.
+    pub enum RecoveryDecision("recovery decision") {
+        /// Nothing was prepared: the step is ready again.
+        MakeReady = "make_ready",
+        /// The request identity is durable but nothing was sent: retry with it.
+        Retry = "retry",
+        /// A request may have been sent to an idempotent adapter: retry with the same key.
+        RetrySameIdentity = "retry_same_identity",
+        /// Ask the external system what happened to the request identity.
+        StatusQuery = "status_query",
+        /// Nobody but a person can say what happened.
+        HumanReview = "human_review",
+        /// A result was observed: verify it and commit the receipt from it.
+        Reconcile = "reconcile",
+        /// The receipt exists: acknowledge, never re-execute.
+        AcknowledgeOnly = "acknowledge_only",
+        /// Nothing was sent and the attempt budget is spent: failing is known to be safe.
+        Fail = "fail",
+    }
+}
+
+impl RecoveryDecision {
+    /// Whether the decision may lead to another request reaching the external system.
+    pub const fn may_send_again(self) -> bool {
+        matches!(
+            self,
+            Self::MakeReady | Self::Retry | Self::RetrySameIdentity
+        )
+    }
+}
+
+/// Classifies durable evidence into a row of the recovery table and its decision.
+///
+/// The order of the checks is the point: a receipt outranks everything, an observed result
+/// outranks what the checkpoint says, and once an invocation may have begun the adapter's
+/// capability alone decides whether anything may be sent again. An unknown outcome is never
+/// turned into a failure, even when the attempt budget is spent.
+pub fn classify(e: &Evidence) -> (RecoveryCategory, RecoveryDecision) {
+    use RecoveryCategory as C;
+    use RecoveryDecision as D;
+
+    if e.receipt {
+        return (C::ReceiptExists, D::AcknowledgeOnly);
+    }
+    let checkpoint = e.checkpoint.unwrap_or(Checkpoint::AttemptCreated);
+    if e.observed_result || checkpoint >= Checkpoint::ResponseObserved {
+        return (C::ResultObserved, D::Reconcile);
+    }
+    if checkpoint.may_have_invoked() {
+        return match e.capability {
+            AdapterCapability::Idempotent if e.attempts_left => {
+                (C::InvokedIdempotent, D::RetrySameIdentity)
+            }
+            AdapterCapability::Idempotent => (C::InvokedIdempotent, D::HumanReview),
+            AdapterCapability::Queryable => (C::InvokedQueryable, D::StatusQuery),
+            AdapterCapability::Opaque => (C::InvokedOpaque, D::HumanReview),
+        };
+    }
+    let (category, retry) = if checkpoint == Checkpoint::RequestIdentityPersisted {
+        (C::IdentityNotInvoked, D::Retry)
+    } else {
+        (C::NoRequestIdentity, D::MakeReady)
+    };
+    if e.attempts_left {
+        (category, retry)
+    } else {
+        (category, D::Fail)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn all_evidence() -> Vec<Evidence> {
+        let mut out = Vec::new();
+        let checkpoints = std::iter::once(None).chain(Checkpoint::ALL.iter().copied().map(Some));
+        for checkpoint in checkpoints {
+            for &capability in AdapterCapability::ALL {
+                for receipt in [false, true] {
+                    for observed_result in [false, true] {
+                        for attempts_left in [false, true] {
+                            out.push(Evidence {
+                                checkpoint,
+                                capability,
+                                receipt,
+                                observed_result,
+                                attempts_left,
+                            });
+                        }
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn every_combination_is_classified_as_the_table_says() {
+        use RecoveryCategory as C;
+        use RecoveryDecision as D;
+        let all = all_evidence();
+        assert_eq!(all.len(), 6 * 3 * 2 * 2 * 2);
+        for e in all {
+            let got = classify(&e);
+            let cp = e.checkpoint.unwrap_or(Checkpoint::AttemptCreated);
+            let expected = if e.receipt {
+                (C::ReceiptExists, D::AcknowledgeOnly)
+            } else if e.observed_result || cp >= Checkpoint::ResponseObserved {
+                (C::ResultObserved, D::Reconcile)
+            } else if cp == Checkpoint::InvocationBegan {
+                match (e.capability, e.attempts_left) {
+                    (AdapterCapability::Idempotent, true) => {
+                        (C::InvokedIdempotent, D::RetrySameIdentity)
+                    }
+                    (AdapterCapability::Idempotent, false) => {
+                        (C::InvokedIdempotent, D::HumanReview)
+                    }
+                    (AdapterCapability::Queryable, _) => (C::InvokedQueryable, D::StatusQuery),
+                    (AdapterCapability::Opaque, _) => (C::InvokedOpaque, D::HumanReview),
+                }
+            } else if cp == Checkpoint::RequestIdentityPersisted {
+                (
+                    C::IdentityNotInvoked,
+                    if e.attempts_left { D::Retry } else { D::Fail },
+                )
+            } else {
+                (
+                    C::NoRequestIdentity,
+                    if e.attempts_left {
+                        D::MakeReady
+                    } else {
+                        D::Fail
+                    },
+                )
+            };
+            assert_eq!(got, expected, "{e:?}");
+        }
+    }
+
+    #[test]
+    fn a_receipt_is_only_ever_acknowledged() {
+        for e in all_evidence().into_iter().filter(|e| e.receipt) {
+            assert_eq!(classify(&e).1, RecoveryDecision::AcknowledgeOnly, "{e:?}");
+        }
+    }
+
+    #[test]
+    fn after_invocation_only_an_idempotent_adapter_is_sent_again() {
+        for e in all_evidence() {
+            let invoked = e.checkpoint.is_some_and(Checkpoint::may_have_invoked);
+            let (_, d) = classify(&e);
+            if invoked && d.may_send_again() {
+                assert_eq!(e.capability, AdapterCapability::Idempotent, "{e:?}");
+                assert_eq!(d, RecoveryDecision::RetrySameIdentity, "{e:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn an_opaque_unknown_always_goes_to_a_person() {
+        for e in all_evidence() {
+            let invoked = e.checkpoint.is_some_and(Checkpoint::may_have_invoked);
+            if invoked
+                && e.capability == AdapterCapability::Opaque
+                && !e.receipt
+                && !e.observed_result
+                && e.checkpoint < Some(Checkpoint::ResponseObserved)
+            {
+                assert_eq!(classify(&e).1, RecoveryDecision::HumanReview, "{e:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn failure_is_decided_only_when_nothing_can_have_been_sent() {
+        for e in all_evidence() {
+            if classify(&e).1 == RecoveryDecision::Fail {
+                assert!(!e.receipt && !e.observed_result, "{e:?}");
+                assert!(
+                    !e.checkpoint.is_some_and(Checkpoint::may_have_invoked),
+                    "{e:?}"
+                );
+                assert!(!e.attempts_left, "{e:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn decision_names_round_trip() {
+        for &d in RecoveryDecision::ALL {
+            assert_eq!(d.as_str().parse::<RecoveryDecision>().unwrap(), d);
+        }
+        for &c in RecoveryCategory::ALL {
+            assert_eq!(c.as_str().parse::<RecoveryCategory>().unwrap(), c);
+        }
+    }
+}
