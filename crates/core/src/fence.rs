@@ -88,6 +88,12 @@ pub enum FenceReason {
     WorkflowForbids { workflow: WorkflowState },
     #[error("checkpoint must move forward from {durable}")]
     CheckpointNotForward { durable: Checkpoint },
+    #[error("renewal refused: the attempt deadline leaves no room beyond the final grace")]
+    AttemptDeadlineReached,
+    #[error("renewal carried checkpoint version {presented}, durable version is {durable}")]
+    StaleCheckpoint { presented: i64, durable: i64 },
+    #[error("lease changed while the write was being made")]
+    Changed,
 }
 
 /// Decides whether `claim` may perform `write` on a step whose durable state is `view`.

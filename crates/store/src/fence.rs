@@ -1,0 +1,150 @@
+//! The fenced write: one conditional `UPDATE` on the step row that only matches while the
+//! presented lease is current by PostgreSQL's clock. It takes the step's row lock, so a
+//! recovery worker taking over the step waits for this transaction, and this transaction, if
+//! it comes second, sees the new version and changes nothing.
+
+use sqlx::PgConnection;
+use uuid::Uuid;
+use z29c_core::fence::{self, FencedWrite};
+use z29c_core::{
+    AttemptId, Checkpoint, FenceReason, LeaseClaim, LeaseKind, LeaseVersion, LeaseView, OwnerId,
+    StepState, WorkflowState,
+};
+
+use crate::error::parse;
+use crate::{Result, StoreError};
+
+/// The step as it stands once the fenced update matched.
+#[derive(Debug, Clone)]
+pub(crate) struct Held {
+    pub(crate) workflow: Uuid,
+    pub(crate) workflow_state: WorkflowState,
+    pub(crate) checkpoint: Option<Checkpoint>,
+    pub(crate) checkpoint_version: i64,
+    pub(crate) request_identity: Option<String>,
+    pub(crate) input_digest: String,
+    pub(crate) adapter: String,
+}
+
+#[derive(sqlx::FromRow)]
+struct HeldRow {
+    workflow_id: Uuid,
+    workflow_state: String,
+    checkpoint: Option<String>,
+    checkpoint_version: i64,
+    request_identity: Option<String>,
+    input_digest: String,
+    adapter: String,
+}
+
+#[derive(sqlx::FromRow)]
+struct ViewRow {
+    state: String,
+    lease_owner: Option<String>,
+    lease_version: i64,
+    current_attempt_id: Option<Uuid>,
+    expired: bool,
+    workflow_state: String,
+    checkpoint: Option<String>,
+}
+
+/// Fences `write` under `claim` inside the caller's transaction. On success the step row is
+/// locked until the transaction ends; on refusal the caller must let the transaction roll back.
+pub(crate) async fn fence(
+    conn: &mut PgConnection,
+    claim: &LeaseClaim,
+    write: FencedWrite,
+) -> Result<Held> {
+    let attempt = match claim.kind {
+        LeaseKind::Execution => Some(claim.attempt.as_uuid()),
+        LeaseKind::Recovery => None,
+    };
+    let row: Option<HeldRow> = sqlx::query_as(
+        "UPDATE steps s
+         SET checkpoint_version = s.checkpoint_version + $6, updated_at = now()
+         WHERE s.id = $1 AND s.lease_version = $2 AND s.lease_owner = $3
+           AND s.state = $4::step_state AND s.expires_at > now()
+           AND ($5::uuid IS NULL OR s.current_attempt_id = $5)
+         RETURNING s.workflow_id, s.checkpoint_version, s.request_identity, s.input_digest,
+                   s.adapter,
+                   (SELECT w.state::text FROM workflows w WHERE w.id = s.workflow_id)
+                       AS workflow_state,
+                   (SELECT a.checkpoint::text FROM attempts a WHERE a.id = s.current_attempt_id)
+                       AS checkpoint",
+    )
+    .bind(claim.step.as_uuid())
+    .bind(claim.version.get())
+    .bind(claim.owner.as_str())
+    .bind(claim.kind.step_state().as_str())
+    .bind(attempt)
+    .bind(i64::from(matches!(write, FencedWrite::Advance(_))))
+    .fetch_optional(&mut *conn)
+    .await?;
+
+    let Some(row) = row else {
+        return Err(StoreError::Fenced(diagnose(conn, claim, write).await?));
+    };
+    let held = Held {
+        workflow: row.workflow_id,
+        workflow_state: parse(&row.workflow_state)?,
+        checkpoint: row.checkpoint.as_deref().map(parse).transpose()?,
+        checkpoint_version: row.checkpoint_version,
+        request_identity: row.request_identity,
+        input_digest: row.input_digest,
+        adapter: row.adapter,
+    };
+    // the lease matched; what remains of the rule (workflow state, checkpoint order) is core's
+    let view = LeaseView {
+        state: claim.kind.step_state(),
+        owner: Some(claim.owner.clone()),
+        version: claim.version,
+        current_attempt: Some(claim.attempt),
+        expired: false,
+        workflow: held.workflow_state,
+        checkpoint: held.checkpoint,
+    };
+    fence::check(claim, &view, write).map_err(StoreError::Fenced)?;
+    Ok(held)
+}
+
+/// Reads the step back to say why a fenced update matched no row.
+pub(crate) async fn diagnose(
+    conn: &mut PgConnection,
+    claim: &LeaseClaim,
+    write: FencedWrite,
+) -> Result<FenceReason> {
+    let view = view(conn, claim.step.as_uuid()).await?;
+    Ok(fence::check(claim, &view, write)
+        .err()
+        .unwrap_or(FenceReason::Changed))
+}
+
+pub(crate) async fn view(conn: &mut PgConnection, step: Uuid) -> Result<LeaseView> {
+    let row: ViewRow = sqlx::query_as(
+        "SELECT s.state::text AS state, s.lease_owner, s.lease_version, s.current_attempt_id,
+                coalesce(s.expires_at <= now(), false) AS expired,
+                w.state::text AS workflow_state, a.checkpoint::text AS checkpoint
+         FROM steps s
+         JOIN workflows w ON w.id = s.workflow_id
+         LEFT JOIN attempts a ON a.id = s.current_attempt_id
+         WHERE s.id = $1",
+    )
+    .bind(step)
+    .fetch_optional(conn)
+    .await?
+    .ok_or(StoreError::NotFound { what: "step" })?;
+    Ok(LeaseView {
+        state: parse::<StepState>(&row.state)?,
+        owner: row
+            .lease_owner
+            .map(OwnerId::parse)
+            .transpose()
+            .map_err(|e| StoreError::Corrupt(e.to_string()))?,
+        version: LeaseVersion::new(row.lease_version)
+            .map_err(|e| StoreError::Corrupt(e.to_string()))?,
+        current_attempt: row.current_attempt_id.map(AttemptId::from_uuid),
+        expired: row.expired,
+        workflow: parse(&row.workflow_state)?,
+        checkpoint: row.checkpoint.as_deref().map(parse).transpose()?,
+    })
+}

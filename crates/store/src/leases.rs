@@ -1,0 +1,876 @@
+//! The attempt protocol's writes (DESIGN.md §5): claim, persist the request identity, begin
+//! the invocation, renew, commit the receipt, or keep a stale result as a late observation.
+//! Every write after the claim is fenced (see the crate docs).
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use serde_json::{Value, json};
+use sqlx::PgConnection;
+use uuid::Uuid;
+use z29c_core::fence::FencedWrite;
+use z29c_core::{
+    AttemptId, Checkpoint, ExternalReference, FenceReason, InputDigest, LeaseClaim, LeaseKind,
+    LeasePolicy, LeaseVersion, OwnerId, Outcome, RenewalDecision, RequestIdentity, StepId,
+    StepName, Verification, WorkflowId, WorkflowState,
+};
+
+use crate::error::parse;
+use crate::events::{self, EventKind, NewEvent};
+use crate::fence::{self, Held};
+use crate::outbox::{self, MessageKind};
+use crate::workflows::{Receipt, ReceiptRow, open_review, receipt_columns};
+use crate::{Result, Store, StoreError, millis};
+
+/// A step claimed for routine execution, with everything the worker needs and nothing it may
+/// decide on its own: the times are PostgreSQL's, returned for information.
+#[derive(Debug, Clone)]
+pub struct ClaimedStep {
+    pub lease: LeaseClaim,
+    pub workflow: WorkflowId,
+    pub name: StepName,
+    pub adapter: String,
+    pub operation: String,
+    pub input: Value,
+    pub input_digest: InputDigest,
+    pub policy: LeasePolicy,
+    /// The step's stable request identity: the one already persisted by an earlier attempt, or
+    /// the one this attempt will persist.
+    pub request_identity: RequestIdentity,
+    pub attempt_number: i32,
+    pub checkpoint_version: i64,
+    pub leased_at: DateTime<Utc>,
+    pub expires_at: DateTime<Utc>,
+    pub attempt_deadline: DateTime<Utc>,
+    pub workflow_deadline: Option<DateTime<Utc>>,
+    /// PostgreSQL's `now()` when the claim was made.
+    pub db_now: DateTime<Utc>,
+}
+
+#[derive(sqlx::FromRow)]
+struct ClaimRow {
+    id: Uuid,
+    workflow_id: Uuid,
+    name: String,
+    adapter: String,
+    operation: String,
+    input: Value,
+    input_digest: String,
+    lease_ms: i32,
+    renew_every_ms: i32,
+    attempt_deadline_ms: i32,
+    final_grace_ms: i32,
+    adapter_timeout_ms: i32,
+    progress_observable: bool,
+    max_attempts: i32,
+    request_identity: Option<String>,
+    lease_owner: String,
+    lease_version: i64,
+    current_attempt_id: Uuid,
+    attempts_made: i32,
+    checkpoint_version: i64,
+    leased_at: DateTime<Utc>,
+    expires_at: DateTime<Utc>,
+    attempt_deadline: DateTime<Utc>,
+    workflow_deadline: Option<DateTime<Utc>>,
+    db_now: DateTime<Utc>,
+}
+
+fn ms(v: i32) -> Duration {
+    Duration::from_millis(u64::try_from(v).unwrap_or(0))
+}
+
+fn corrupt(e: z29c_core::ParseError) -> StoreError {
+    StoreError::Corrupt(e.to_string())
+}
+
+impl TryFrom<ClaimRow> for ClaimedStep {
+    type Error = StoreError;
+    fn try_from(r: ClaimRow) -> Result<Self> {
+        let workflow = WorkflowId::from_uuid(r.workflow_id);
+        let name = StepName::parse(r.name).map_err(corrupt)?;
+        let request_identity = match r.request_identity {
+            Some(id) => RequestIdentity::parse(id).map_err(corrupt)?,
+            None => RequestIdentity::for_step(workflow, &name),
+        };
+        Ok(Self {
+            lease: LeaseClaim {
+                step: StepId::from_uuid(r.id),
+                attempt: AttemptId::from_uuid(r.current_attempt_id),
+                owner: OwnerId::parse(r.lease_owner).map_err(corrupt)?,
+                version: LeaseVersion::new(r.lease_version).map_err(corrupt)?,
+                kind: LeaseKind::Execution,
+            },
+            workflow,
+            name,
+            adapter: r.adapter,
+            operation: r.operation,
+            input: r.input,
+            input_digest: InputDigest::parse(r.input_digest).map_err(corrupt)?,
+            policy: LeasePolicy {
+                lease: ms(r.lease_ms),
+                renew_every: ms(r.renew_every_ms),
+                attempt_deadline: ms(r.attempt_deadline_ms),
+                progress_observable: r.progress_observable,
+                final_grace: ms(r.final_grace_ms),
+                adapter_timeout: ms(r.adapter_timeout_ms),
+                max_attempts: u32::try_from(r.max_attempts).unwrap_or(1),
+            },
+            request_identity,
+            attempt_number: r.attempts_made,
+            checkpoint_version: r.checkpoint_version,
+            leased_at: r.leased_at,
+            expires_at: r.expires_at,
+            attempt_deadline: r.attempt_deadline,
+            workflow_deadline: r.workflow_deadline,
+            db_now: r.db_now,
+        })
+    }
+}
+
+/// What a worker observed from the adapter, to be committed as a receipt or kept as evidence.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Observed {
+    pub request_identity: RequestIdentity,
+    pub input_digest: InputDigest,
+    pub adapter_version: String,
+    pub outcome: Outcome,
+    pub external_reference: Option<ExternalReference>,
+    pub result: Value,
+}
+
+/// The lease after a granted renewal.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Renewed {
+    pub expires_at: DateTime<Utc>,
+    pub db_now: DateTime<Utc>,
+}
+
+/// The result of [`Store::commit_or_keep_late`].
+#[derive(Debug, Clone, PartialEq)]
+pub enum CommitOutcome {
+    /// The receipt is committed under the current lease.
+    Committed(Receipt),
+    /// The lease was no longer current (or the step already had its receipt): the observation
+    /// is kept as late evidence and nothing else changed.
+    Late { observation: Uuid, reason: Value },
+}
+
+/// Why a late observation was kept instead of committed.
+fn late_reason(reason: &FenceReason) -> Value {
+    serde_json::to_value(reason).unwrap_or_else(|_| json!({ "reason": reason.to_string() }))
+}
+
+impl Store {
+    /// Claims up to `max` ready, eligible steps of running workflows for `owner`, in one
+    /// statement: `FOR UPDATE SKIP LOCKED`, `lease_version + 1`, `expires_at = now() + lease`,
+    /// a new attempt and a `lease_acquired` event per step.
+    pub async fn claim(&self, owner: &OwnerId, max: i64) -> Result<Vec<ClaimedStep>> {
+        let rows: Vec<ClaimRow> = sqlx::query_as(
+            "WITH picked AS (
+                 SELECT s.id FROM steps s
+                 JOIN workflows w ON w.id = s.workflow_id AND w.state = 'running'
+                 WHERE s.state = 'ready' AND s.next_eligible_at <= now()
+                 ORDER BY s.next_eligible_at, s.id
+                 LIMIT $2
+                 FOR UPDATE OF s SKIP LOCKED
+             ), leased AS (
+                 UPDATE steps s
+                 SET state = 'leased', lease_owner = $1, lease_version = s.lease_version + 1,
+                     leased_at = now(),
+                     expires_at = now() + s.lease_ms * interval '1 millisecond',
+                     attempt_deadline = now() + s.attempt_deadline_ms * interval '1 millisecond',
+                     current_attempt_id = gen_random_uuid(),
+                     attempts_made = s.attempts_made + 1, updated_at = now()
+                 FROM picked WHERE s.id = picked.id
+                 RETURNING s.*
+             ), attempt AS (
+                 INSERT INTO attempts (id, step_id, workflow_id, number, lease_version, owner,
+                     request_identity, input_digest, adapter, attempt_deadline)
+                 SELECT current_attempt_id, id, workflow_id, attempts_made, lease_version,
+                     lease_owner, NULL, input_digest, adapter, attempt_deadline
+                 FROM leased
+             ), event AS (
+                 INSERT INTO step_events (workflow_id, step_id, attempt_id, lease_version, owner,
+                     kind, detail)
+                 SELECT workflow_id, id, current_attempt_id, lease_version, lease_owner,
+                     'lease_acquired',
+                     jsonb_build_object('expires_at', expires_at, 'attempt', attempts_made)
+                 FROM leased
+             )
+             SELECT l.id, l.workflow_id, l.name, l.adapter, l.operation, l.input,
+                    l.input_digest, l.lease_ms, l.renew_every_ms, l.attempt_deadline_ms,
+                    l.final_grace_ms, l.adapter_timeout_ms, l.progress_observable,
+                    l.max_attempts, l.request_identity, l.lease_owner, l.lease_version,
+                    l.current_attempt_id, l.attempts_made, l.checkpoint_version, l.leased_at,
+                    l.expires_at, l.attempt_deadline, w.deadline AS workflow_deadline,
+                    now() AS db_now
+             FROM leased l JOIN workflows w ON w.id = l.workflow_id",
+        )
+        .bind(owner.as_str())
+        .bind(max)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.into_iter().map(ClaimedStep::try_from).collect()
+    }
+
+    /// Checkpoint *request identity persisted* (fenced). The identity is stable: once a step has
+    /// one, a different one is a conflict. Returns the new checkpoint version.
+    pub async fn persist_request_identity(
+        &self,
+        claim: &LeaseClaim,
+        identity: &RequestIdentity,
+    ) -> Result<i64> {
+        let mut tx = self.pool.begin().await?;
+        let held = fence::fence(
+            &mut tx,
+            claim,
+            FencedWrite::Advance(Checkpoint::RequestIdentityPersisted),
+        )
+        .await?;
+        if let Some(existing) = &held.request_identity
+            && existing != identity.as_str()
+        {
+            return Err(StoreError::Conflict(format!(
+                "step already has request identity {existing:?}"
+            )));
+        }
+        sqlx::query("UPDATE steps SET request_identity = $2 WHERE id = $1")
+            .bind(claim.step.as_uuid())
+            .bind(identity.as_str())
+            .execute(&mut *tx)
+            .await?;
+        sqlx::query(
+            "UPDATE attempts SET request_identity = $2, checkpoint = 'request_identity_persisted',
+                 updated_at = now()
+             WHERE id = $1",
+        )
+        .bind(claim.attempt.as_uuid())
+        .bind(identity.as_str())
+        .execute(&mut *tx)
+        .await?;
+        checkpoint_event(&mut tx, claim, &held, Checkpoint::RequestIdentityPersisted).await?;
+        tx.commit().await?;
+        Ok(held.checkpoint_version)
+    }
+
+    /// Checkpoint *invocation began* (fenced), committed before the adapter is called: from
+    /// here on, no receipt means *unknown*. Refused for a cancelled workflow, which is where a
+    /// cancelled step stops. Returns the new checkpoint version.
+    pub async fn begin_invocation(&self, claim: &LeaseClaim) -> Result<i64> {
+        let mut tx = self.pool.begin().await?;
+        let held =
+            fence::fence(&mut tx, claim, FencedWrite::Advance(Checkpoint::InvocationBegan)).await?;
+        if held.checkpoint < Some(Checkpoint::RequestIdentityPersisted) {
+            return Err(StoreError::invalid(
+                "checkpoint",
+                "the request identity must be persisted before invocation begins",
+            ));
+        }
+        sqlx::query(
+            "UPDATE attempts SET checkpoint = 'invocation_began', invocation_began_at = now(),
+                 updated_at = now()
+             WHERE id = $1",
+        )
+        .bind(claim.attempt.as_uuid())
+        .execute(&mut *tx)
+        .await?;
+        checkpoint_event(&mut tx, claim, &held, Checkpoint::InvocationBegan).await?;
+        tx.commit().await?;
+        Ok(held.checkpoint_version)
+    }
+
+    /// Renews the lease (fenced), carrying the worker's latest checkpoint version. Refused when
+    /// the lease is no longer current, when the workflow is not running, when the checkpoint
+    /// version is stale, and once the attempt deadline leaves no more than the final grace;
+    /// a granted expiry never passes the attempt deadline.
+    pub async fn renew(&self, claim: &LeaseClaim, checkpoint_version: i64) -> Result<Renewed> {
+        let mut tx = self.pool.begin().await?;
+        let row: Option<(DateTime<Utc>, DateTime<Utc>, Uuid)> = sqlx::query_as(
+            "UPDATE steps s
+             SET expires_at = LEAST(now() + s.lease_ms * interval '1 millisecond',
+                                    s.attempt_deadline),
+                 updated_at = now()
+             WHERE s.id = $1 AND s.lease_version = $2 AND s.lease_owner = $3
+               AND s.current_attempt_id = $4 AND s.state = 'leased' AND s.expires_at > now()
+               AND s.checkpoint_version = $5
+               AND now() + s.final_grace_ms * interval '1 millisecond' < s.attempt_deadline
+               AND EXISTS (SELECT 1 FROM workflows w
+                           WHERE w.id = s.workflow_id AND w.state = 'running')
+             RETURNING s.expires_at, now(), s.workflow_id",
+        )
+        .bind(claim.step.as_uuid())
+        .bind(claim.version.get())
+        .bind(claim.owner.as_str())
+        .bind(claim.attempt.as_uuid())
+        .bind(checkpoint_version)
+        .fetch_optional(&mut *tx)
+        .await?;
+        let Some((expires_at, db_now, workflow)) = row else {
+            let reason = self
+                .renewal_refusal(&mut tx, claim, checkpoint_version)
+                .await?;
+            return Err(StoreError::Fenced(reason));
+        };
+        events::append(
+            &mut tx,
+            NewEvent {
+                workflow,
+                step: claim.step.as_uuid(),
+                attempt: Some(claim.attempt.as_uuid()),
+                lease_version: claim.version.get(),
+                owner: Some(claim.owner.as_str()),
+                kind: EventKind::LeaseRenewed,
+                detail: json!({ "expires_at": expires_at, "checkpoint_version": checkpoint_version }),
+            },
+        )
+        .await?;
+        tx.commit().await?;
+        Ok(Renewed { expires_at, db_now })
+    }
+
+    async fn renewal_refusal(
+        &self,
+        conn: &mut PgConnection,
+        claim: &LeaseClaim,
+        checkpoint_version: i64,
+    ) -> Result<FenceReason> {
+        let reason = fence::diagnose(conn, claim, FencedWrite::Renew).await?;
+        if reason != FenceReason::Changed {
+            return Ok(reason);
+        }
+        // the lease itself is current: the checkpoint version or the deadline refused it
+        let (durable, deadline, lease_ms, grace_ms, now): (i64, DateTime<Utc>, i32, i32, DateTime<Utc>) =
+            sqlx::query_as(
+                "SELECT checkpoint_version, attempt_deadline, lease_ms, final_grace_ms, now()
+                 FROM steps WHERE id = $1",
+            )
+            .bind(claim.step.as_uuid())
+            .fetch_one(&mut *conn)
+            .await?;
+        if durable != checkpoint_version {
+            return Ok(FenceReason::StaleCheckpoint {
+                presented: checkpoint_version,
+                durable,
+            });
+        }
+        let policy = LeasePolicy {
+            lease: ms(lease_ms),
+            final_grace: ms(grace_ms),
+            ..LeasePolicy::default()
+        };
+        Ok(match policy.renewal(now, deadline) {
+            RenewalDecision::Refuse => FenceReason::AttemptDeadlineReached,
+            RenewalDecision::Grant { .. } => FenceReason::Changed,
+        })
+    }
+
+    /// Commits *response observed*, the step receipt (verification `direct`), the release of
+    /// dependents and the outbox event in one fenced transaction. A step that already has its
+    /// receipt is [`StoreError::Conflict`]; a stale lease is [`StoreError::Fenced`].
+    pub async fn commit_receipt(&self, claim: &LeaseClaim, observed: &Observed) -> Result<Receipt> {
+        check_observed(observed)?;
+        let mut tx = self.pool.begin().await?;
+        let held = match fence::fence(
+            &mut tx,
+            claim,
+            FencedWrite::Advance(Checkpoint::ReceiptCommitted),
+        )
+        .await
+        {
+            Ok(held) => held,
+            Err(StoreError::Fenced(reason)) => {
+                if has_receipt(&mut tx, claim.step.as_uuid()).await? {
+                    return Err(StoreError::Conflict("step already has its receipt".into()));
+                }
+                return Err(StoreError::Fenced(reason));
+            }
+            Err(e) => return Err(e),
+        };
+        if held.checkpoint < Some(Checkpoint::InvocationBegan) {
+            return Err(StoreError::invalid(
+                "checkpoint",
+                "a receipt needs an invocation that began",
+            ));
+        }
+        check_identity(&held, observed)?;
+        sqlx::query(
+            "UPDATE attempts
+             SET checkpoint = 'receipt_committed', state = $2::text::attempt_state,
+                 response_observed_at = now(), observed_result = $3, adapter_version = $4,
+                 updated_at = now()
+             WHERE id = $1",
+        )
+        .bind(claim.attempt.as_uuid())
+        .bind(observed.outcome.as_str())
+        .bind(&observed.result)
+        .bind(&observed.adapter_version)
+        .execute(&mut *tx)
+        .await?;
+        for cp in [Checkpoint::ResponseObserved, Checkpoint::ReceiptCommitted] {
+            checkpoint_event(&mut tx, claim, &held, cp).await?;
+        }
+        let receipt = finish_step(
+            &mut tx,
+            claim,
+            &held,
+            Some(claim.attempt.as_uuid()),
+            observed,
+            Verification::Direct,
+        )
+        .await?;
+        tx.commit().await?;
+        Ok(receipt)
+    }
+
+    /// Commits the receipt, or, when the lease is no longer current or the step already has
+    /// its receipt, keeps the observation as late evidence. Nothing observed is thrown away.
+    pub async fn commit_or_keep_late(
+        &self,
+        claim: &LeaseClaim,
+        observed: &Observed,
+    ) -> Result<CommitOutcome> {
+        let reason = match self.commit_receipt(claim, observed).await {
+            Ok(receipt) => return Ok(CommitOutcome::Committed(receipt)),
+            Err(StoreError::Fenced(reason)) => late_reason(&reason),
+            Err(StoreError::Conflict(msg)) => json!({ "reason": "receipt_exists", "detail": msg }),
+            Err(e) => return Err(e),
+        };
+        let observation = self.append_late_observation(claim, observed, &reason).await?;
+        Ok(CommitOutcome::Late {
+            observation,
+            reason,
+        })
+    }
+
+    /// Appends a stale worker's observation as typed late evidence: it names the attempt, the
+    /// lease version it held, the request identity and input digest it used, and what it saw.
+    /// It never changes current state; recovery consumes it.
+    pub async fn append_late_observation(
+        &self,
+        claim: &LeaseClaim,
+        observed: &Observed,
+        reason: &Value,
+    ) -> Result<Uuid> {
+        check_observed(observed)?;
+        let id = Uuid::now_v7();
+        let mut tx = self.pool.begin().await?;
+        let workflow: Option<Uuid> = sqlx::query_scalar(
+            "INSERT INTO late_observations (id, step_id, workflow_id, attempt_id, lease_version,
+                 owner, request_identity, input_digest, adapter_version, external_reference,
+                 outcome, observed_result, fence_reason)
+             SELECT $1, s.id, s.workflow_id, $3, $4, $5, $6, $7, $8, $9, $10::outcome, $11, $12
+             FROM steps s WHERE s.id = $2
+             RETURNING workflow_id",
+        )
+        .bind(id)
+        .bind(claim.step.as_uuid())
+        .bind(claim.attempt.as_uuid())
+        .bind(claim.version.get())
+        .bind(claim.owner.as_str())
+        .bind(observed.request_identity.as_str())
+        .bind(observed.input_digest.as_str())
+        .bind(&observed.adapter_version)
+        .bind(observed.external_reference.as_ref().map(ExternalReference::as_str))
+        .bind(observed.outcome.as_str())
+        .bind(&observed.result)
+        .bind(reason)
+        .fetch_optional(&mut *tx)
+        .await?;
+        let workflow = workflow.ok_or(StoreError::NotFound { what: "step" })?;
+        events::append(
+            &mut tx,
+            NewEvent {
+                workflow,
+                step: claim.step.as_uuid(),
+                attempt: Some(claim.attempt.as_uuid()),
+                lease_version: claim.version.get(),
+                owner: Some(claim.owner.as_str()),
+                kind: EventKind::LateObservation,
+                detail: json!({ "observation": id, "reason": reason }),
+            },
+        )
+        .await?;
+        outbox::enqueue(
+            &mut tx,
+            MessageKind::LateEvidence,
+            workflow,
+            Some(claim.step.as_uuid()),
+            json!({ "observation": id }),
+        )
+        .await?;
+        tx.commit().await?;
+        Ok(id)
+    }
+
+    /// Gives the step back after a rate-limit answer: no lease is held while it waits, and it
+    /// is claimable again at `now() + retry_after` (PostgreSQL time). Rate limiting is not
+    /// execution: the attempt is `released`, not failed.
+    pub async fn release_rate_limited(
+        &self,
+        claim: &LeaseClaim,
+        retry_after: Duration,
+    ) -> Result<()> {
+        self.release(claim, retry_after, EventKind::RateLimited, true)
+            .await
+    }
+
+    /// Gives back a step whose invocation has not begun (graceful shutdown): it is ready again
+    /// at once. After invocation began this is a conflict: only recovery may decide then.
+    pub async fn release_unbegun(&self, claim: &LeaseClaim) -> Result<()> {
+        self.release(claim, Duration::ZERO, EventKind::LeaseReleased, false)
+            .await
+    }
+
+    async fn release(
+        &self,
+        claim: &LeaseClaim,
+        delay: Duration,
+        kind: EventKind,
+        after_invocation_ok: bool,
+    ) -> Result<()> {
+        let mut tx = self.pool.begin().await?;
+        let held = fence::fence(&mut tx, claim, FencedWrite::Release).await?;
+        if !after_invocation_ok && held.checkpoint >= Some(Checkpoint::InvocationBegan) {
+            return Err(StoreError::Conflict(
+                "invocation began: the step can only be given to recovery".into(),
+            ));
+        }
+        let next = if held.workflow_state == WorkflowState::Running {
+            "ready"
+        } else {
+            "cancelled"
+        };
+        sqlx::query(
+            "UPDATE steps
+             SET state = $2::step_state, lease_owner = NULL, leased_at = NULL, expires_at = NULL,
+                 next_eligible_at = now() + $3::bigint * interval '1 millisecond',
+                 updated_at = now()
+             WHERE id = $1",
+        )
+        .bind(claim.step.as_uuid())
+        .bind(next)
+        .bind(millis(delay))
+        .execute(&mut *tx)
+        .await?;
+        sqlx::query("UPDATE attempts SET state = 'released', updated_at = now() WHERE id = $1")
+            .bind(claim.attempt.as_uuid())
+            .execute(&mut *tx)
+            .await?;
+        events::append(
+            &mut tx,
+            NewEvent {
+                workflow: held.workflow,
+                step: claim.step.as_uuid(),
+                attempt: Some(claim.attempt.as_uuid()),
+                lease_version: claim.version.get(),
+                owner: Some(claim.owner.as_str()),
+                kind,
+                detail: json!({ "retry_after_ms": millis(delay), "state": next }),
+            },
+        )
+        .await?;
+        if next == "ready" && delay.is_zero() {
+            outbox::enqueue(
+                &mut tx,
+                MessageKind::StepReady,
+                held.workflow,
+                Some(claim.step.as_uuid()),
+                json!({}),
+            )
+            .await?;
+        }
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// Ends the lease now (fenced) without deciding anything, so recovery takes the step at
+    /// once instead of after expiry: for an adapter answer of *unknown*, or a worker that must
+    /// stop after invocation began. Recovery then decides from evidence.
+    pub async fn surrender(&self, claim: &LeaseClaim, why: &str) -> Result<()> {
+        let mut tx = self.pool.begin().await?;
+        let held = fence::fence(&mut tx, claim, FencedWrite::Release).await?;
+        sqlx::query("UPDATE steps SET expires_at = now(), updated_at = now() WHERE id = $1")
+            .bind(claim.step.as_uuid())
+            .execute(&mut *tx)
+            .await?;
+        events::append(
+            &mut tx,
+            NewEvent {
+                workflow: held.workflow,
+                step: claim.step.as_uuid(),
+                attempt: Some(claim.attempt.as_uuid()),
+                lease_version: claim.version.get(),
+                owner: Some(claim.owner.as_str()),
+                kind: EventKind::LeaseReleased,
+                detail: json!({ "surrendered": why }),
+            },
+        )
+        .await?;
+        tx.commit().await?;
+        Ok(())
+    }
+}
+
+fn check_observed(o: &Observed) -> Result<()> {
+    if o.outcome == Outcome::Succeeded && o.external_reference.is_none() {
+        return Err(StoreError::invalid(
+            "external_reference",
+            "a success needs the external system's reference",
+        ));
+    }
+    if o.adapter_version.is_empty() {
+        return Err(StoreError::invalid("adapter_version", "must not be empty"));
+    }
+    Ok(())
+}
+
+/// The observation must be about this step's effect: same request identity, same input.
+fn check_identity(held: &Held, o: &Observed) -> Result<()> {
+    if held.request_identity.as_deref() != Some(o.request_identity.as_str()) {
+        return Err(StoreError::Conflict(format!(
+            "observation names request identity {:?}, the step's is {:?}",
+            o.request_identity.as_str(),
+            held.request_identity
+        )));
+    }
+    if held.input_digest != o.input_digest.as_str() {
+        return Err(StoreError::Conflict(
+            "observation's input digest differs from the step's".into(),
+        ));
+    }
+    Ok(())
+}
+
+async fn has_receipt(conn: &mut PgConnection, step: Uuid) -> Result<bool> {
+    Ok(
+        sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM step_receipts WHERE step_id = $1)")
+            .bind(step)
+            .fetch_one(conn)
+            .await?,
+    )
+}
+
+async fn checkpoint_event(
+    conn: &mut PgConnection,
+    claim: &LeaseClaim,
+    held: &Held,
+    cp: Checkpoint,
+) -> Result<()> {
+    events::append(
+        conn,
+        NewEvent {
+            workflow: held.workflow,
+            step: claim.step.as_uuid(),
+            attempt: Some(claim.attempt.as_uuid()),
+            lease_version: claim.version.get(),
+            owner: Some(claim.owner.as_str()),
+            kind: EventKind::Checkpoint,
+            detail: json!({ "checkpoint": cp.as_str(), "checkpoint_version": held.checkpoint_version }),
+        },
+    )
+    .await
+}
+
+/// Writes the receipt and everything that follows from it, inside the fenced transaction:
+/// the step's end, its dependents' release, the workflow's end, and the outbox messages.
+pub(crate) async fn finish_step(
+    conn: &mut PgConnection,
+    claim: &LeaseClaim,
+    held: &Held,
+    attempt: Option<Uuid>,
+    observed: &Observed,
+    verification: Verification,
+) -> Result<Receipt> {
+    let step = claim.step.as_uuid();
+    // serialises the ends of one workflow's steps, so the last one sees all the others
+    let workflow_state: String = sqlx::query_scalar(
+        "SELECT state::text FROM workflows WHERE id = $1 FOR NO KEY UPDATE",
+    )
+    .bind(held.workflow)
+    .fetch_one(&mut *conn)
+    .await?;
+    let workflow_state: WorkflowState = parse(&workflow_state)?;
+    let row: ReceiptRow = sqlx::query_as(concat!(
+        "INSERT INTO step_receipts (id, step_id, workflow_id, attempt_id, lease_version,
+             input_digest, adapter, adapter_version, request_identity, external_reference,
+             outcome, observed_result, verification)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11::outcome, $12, $13::verification)
+         RETURNING ",
+        receipt_columns!()
+    ))
+    .bind(Uuid::now_v7())
+    .bind(step)
+    .bind(held.workflow)
+    .bind(attempt)
+    .bind(claim.version.get())
+    .bind(observed.input_digest.as_str())
+    .bind(&held.adapter)
+    .bind(&observed.adapter_version)
+    .bind(observed.request_identity.as_str())
+    .bind(observed.external_reference.as_ref().map(ExternalReference::as_str))
+    .bind(observed.outcome.as_str())
+    .bind(&observed.result)
+    .bind(verification.as_str())
+    .fetch_one(&mut *conn)
+    .await?;
+    let receipt = Receipt::try_from(row)?;
+    let step_state = match observed.outcome {
+        Outcome::Succeeded => "completed",
+        Outcome::Failed => "failed",
+    };
+    sqlx::query(
+        "UPDATE steps
+         SET state = $2::step_state, lease_owner = NULL, leased_at = NULL, expires_at = NULL,
+             request_identity = coalesce(request_identity, $3), updated_at = now()
+         WHERE id = $1",
+    )
+    .bind(step)
+    .bind(step_state)
+    .bind(observed.request_identity.as_str())
+    .execute(&mut *conn)
+    .await?;
+    events::append(
+        conn,
+        NewEvent {
+            workflow: held.workflow,
+            step,
+            attempt,
+            lease_version: claim.version.get(),
+            owner: Some(claim.owner.as_str()),
+            kind: EventKind::LeaseReleased,
+            detail: json!({ "receipt": receipt.id, "verification": verification.as_str() }),
+        },
+    )
+    .await?;
+    outbox::enqueue(
+        conn,
+        MessageKind::StepCompleted,
+        held.workflow,
+        Some(step),
+        json!({ "outcome": observed.outcome.as_str(), "verification": verification.as_str() }),
+    )
+    .await?;
+    if workflow_state != WorkflowState::Running {
+        // a cancelled workflow records what its in-flight step did, and nothing more
+        return Ok(receipt);
+    }
+    match observed.outcome {
+        Outcome::Succeeded => release_dependents(conn, held.workflow, step).await?,
+        Outcome::Failed => {
+            end_workflow(conn, held.workflow, WorkflowState::Failed).await?;
+            stop_unstarted_steps(conn, held.workflow, "a step failed").await?;
+            return Ok(receipt);
+        }
+    }
+    let unfinished: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM steps WHERE workflow_id = $1 AND state <> 'completed'",
+    )
+    .bind(held.workflow)
+    .fetch_one(&mut *conn)
+    .await?;
+    if unfinished == 0 {
+        end_workflow(conn, held.workflow, WorkflowState::Completed).await?;
+    }
+    Ok(receipt)
+}
+
+async fn release_dependents(conn: &mut PgConnection, workflow: Uuid, step: Uuid) -> Result<()> {
+    let ready: Vec<(Uuid, i64)> = sqlx::query_as(
+        "UPDATE steps s
+         SET pending_deps = s.pending_deps - 1,
+             state = CASE WHEN s.pending_deps = 1 THEN 'ready'::step_state ELSE s.state END,
+             next_eligible_at = now(), updated_at = now()
+         FROM step_dependencies d
+         WHERE d.depends_on = $1 AND d.step_id = s.id AND s.state = 'blocked'
+         RETURNING s.id, s.lease_version, s.state = 'ready' AS now_ready",
+    )
+    .bind(step)
+    .fetch_all(&mut *conn)
+    .await?
+    .into_iter()
+    .filter_map(|(id, v, ready): (Uuid, i64, bool)| ready.then_some((id, v)))
+    .collect();
+    for (id, lease_version) in ready {
+        events::append(
+            conn,
+            NewEvent {
+                workflow,
+                step: id,
+                attempt: None,
+                lease_version,
+                owner: None,
+                kind: EventKind::DependenciesMet,
+                detail: json!({ "after": step }),
+            },
+        )
+        .await?;
+        outbox::enqueue(conn, MessageKind::StepReady, workflow, Some(id), json!({})).await?;
+    }
+    Ok(())
+}
+
+pub(crate) async fn end_workflow(
+    conn: &mut PgConnection,
+    workflow: Uuid,
+    state: WorkflowState,
+) -> Result<()> {
+    sqlx::query(
+        "UPDATE workflows SET state = $2::workflow_state, ended_at = now(), updated_at = now()
+         WHERE id = $1 AND state = 'running'",
+    )
+    .bind(workflow)
+    .bind(state.as_str())
+    .execute(&mut *conn)
+    .await?;
+    outbox::enqueue(
+        conn,
+        MessageKind::WorkflowChanged,
+        workflow,
+        None,
+        json!({ "state": state.as_str() }),
+    )
+    .await
+}
+
+/// Stops a finished workflow's steps that never started. One whose last attempt may have
+/// reached the external system goes to review: its effect may exist.
+pub(crate) async fn stop_unstarted_steps(
+    conn: &mut PgConnection,
+    workflow: Uuid,
+    reason: &str,
+) -> Result<()> {
+    let stopped: Vec<(Uuid, String, i64)> = sqlx::query_as(
+        "UPDATE steps s
+         SET state = CASE WHEN a.checkpoint >= 'invocation_began'
+                          THEN 'needs_review'::step_state ELSE 'cancelled'::step_state END,
+             updated_at = now()
+         FROM steps s0 LEFT JOIN attempts a ON a.id = s0.current_attempt_id
+         WHERE s0.id = s.id AND s.workflow_id = $1 AND s.state IN ('blocked', 'ready')
+         RETURNING s.id, s.state::text, s.lease_version",
+    )
+    .bind(workflow)
+    .fetch_all(&mut *conn)
+    .await?;
+    for (step, state, lease_version) in stopped {
+        if state == "needs_review" {
+            open_review(conn, workflow, step, "workflow ended after a request may have been sent")
+                .await?;
+        }
+        events::append(
+            conn,
+            NewEvent {
+                workflow,
+                step,
+                attempt: None,
+                lease_version,
+                owner: None,
+                kind: EventKind::Cancelled,
+                detail: json!({ "reason": reason, "state": state }),
+            },
+        )
+        .await?;
+    }
+    Ok(())
+}

@@ -1,0 +1,116 @@
+//! The transactional outbox. A message is written in the same transaction as the state change
+//! it announces, so a change is never announced without having happened and never happens
+//! without being announced. The relay claims rows, publishes them with `Nats-Msg-Id = msg_id`
+//! (JetStream drops duplicates), then marks them sent; a relay that dies mid-way leaves its
+//! claim to expire and another relay publishes again under the same `msg_id`.
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use serde_json::Value;
+use sqlx::PgConnection;
+use uuid::Uuid;
+use z29c_core::OwnerId;
+
+use crate::{Result, Store, millis};
+
+/// What an outbox message announces. The bus maps each kind to its NATS subject.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MessageKind {
+    StepReady,
+    StepCompleted,
+    LateEvidence,
+    WorkflowChanged,
+}
+
+impl MessageKind {
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Self::StepReady => "step_ready",
+            Self::StepCompleted => "step_completed",
+            Self::LateEvidence => "late_evidence",
+            Self::WorkflowChanged => "workflow_changed",
+        }
+    }
+}
+
+/// A message waiting to be published.
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct OutboxMessage {
+    pub id: i64,
+    pub msg_id: String,
+    pub kind: String,
+    pub workflow_id: Uuid,
+    pub step_id: Option<Uuid>,
+    pub payload: Value,
+    pub created_at: DateTime<Utc>,
+}
+
+pub(crate) async fn enqueue(
+    conn: &mut PgConnection,
+    kind: MessageKind,
+    workflow: Uuid,
+    step: Option<Uuid>,
+    payload: Value,
+) -> Result<()> {
+    sqlx::query(
+        "INSERT INTO outbox (msg_id, kind, workflow_id, step_id, payload)
+         VALUES ($1 || '-' || gen_random_uuid()::text, $1, $2, $3, $4)",
+    )
+    .bind(kind.as_str())
+    .bind(workflow)
+    .bind(step)
+    .bind(payload)
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
+impl Store {
+    /// Claims up to `limit` unsent messages, oldest first, for `hold` (PostgreSQL time).
+    /// Concurrent relays claim disjoint batches; an expired claim is claimable again.
+    pub async fn claim_outbox(
+        &self,
+        relay: &OwnerId,
+        limit: i64,
+        hold: Duration,
+    ) -> Result<Vec<OutboxMessage>> {
+        Ok(sqlx::query_as(
+            "WITH picked AS (
+                 SELECT id FROM outbox
+                 WHERE sent_at IS NULL AND (claimed_until IS NULL OR claimed_until <= now())
+                 ORDER BY id LIMIT $2
+                 FOR UPDATE SKIP LOCKED
+             )
+             UPDATE outbox o
+             SET claimed_by = $1, claimed_until = now() + $3::bigint * interval '1 millisecond'
+             FROM picked WHERE o.id = picked.id
+             RETURNING o.id, o.msg_id, o.kind, o.workflow_id, o.step_id, o.payload, o.created_at",
+        )
+        .bind(relay.as_str())
+        .bind(limit)
+        .bind(millis(hold))
+        .fetch_all(&self.pool)
+        .await
+        .map(|mut rows: Vec<OutboxMessage>| {
+            rows.sort_by_key(|m| m.id);
+            rows
+        })?)
+    }
+
+    /// Marks messages as published. Returns how many were newly marked.
+    pub async fn mark_outbox_sent(&self, ids: &[i64]) -> Result<u64> {
+        Ok(sqlx::query("UPDATE outbox SET sent_at = now() WHERE id = ANY($1) AND sent_at IS NULL")
+            .bind(ids)
+            .execute(&self.pool)
+            .await?
+            .rows_affected())
+    }
+
+    /// How many messages wait to be published.
+    pub async fn outbox_backlog(&self) -> Result<i64> {
+        Ok(sqlx::query_scalar("SELECT count(*) FROM outbox WHERE sent_at IS NULL")
+            .fetch_one(&self.pool)
+            .await?)
+    }
+}

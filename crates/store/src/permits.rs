@@ -1,0 +1,171 @@
+//! Adapter concurrency permits, called by the adapter gateway alone (DESIGN.md §7). A permit
+//! is separate from any step lease: it is taken just before an invocation and bounds how many
+//! calls z29c intentionally has in flight per adapter and operation class, across all gateway
+//! instances. An unknown outcome keeps its permit counting until resolution or a safety window.
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use uuid::Uuid;
+use z29c_core::{AttemptId, RequestIdentity};
+
+use crate::{Result, Store, StoreError, millis};
+
+/// What a permit is for.
+#[derive(Debug, Clone)]
+pub struct PermitRequest<'a> {
+    pub adapter: &'a str,
+    pub operation_class: &'a str,
+    pub attempt: Option<AttemptId>,
+    pub request_identity: &'a RequestIdentity,
+    pub gateway: &'a str,
+    /// How long the permit counts if nobody releases it.
+    pub hold: Duration,
+}
+
+/// A permit as stored.
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+pub struct Permit {
+    pub id: Uuid,
+    pub adapter: String,
+    pub operation_class: String,
+    pub attempt_id: Option<Uuid>,
+    pub request_identity: String,
+    pub gateway: String,
+    pub state: String,
+    pub acquired_at: DateTime<Utc>,
+    pub expires_at: DateTime<Utc>,
+    pub released_at: Option<DateTime<Utc>>,
+    pub release_reason: Option<String>,
+}
+
+macro_rules! permit_columns {
+    () => {
+        "id, adapter, operation_class, attempt_id, request_identity, gateway, state, \
+         acquired_at, expires_at, released_at, release_reason"
+    };
+}
+
+impl Store {
+    /// Sets the in-flight limit of an adapter's operation class.
+    pub async fn set_permit_limit(
+        &self,
+        adapter: &str,
+        operation_class: &str,
+        max_in_flight: i32,
+    ) -> Result<()> {
+        if max_in_flight <= 0 {
+            return Err(StoreError::invalid("max_in_flight", "must be positive"));
+        }
+        sqlx::query(
+            "INSERT INTO adapter_limits (adapter, operation_class, max_in_flight)
+             VALUES ($1, $2, $3)
+             ON CONFLICT (adapter, operation_class)
+             DO UPDATE SET max_in_flight = EXCLUDED.max_in_flight, updated_at = now()",
+        )
+        .bind(adapter)
+        .bind(operation_class)
+        .bind(max_in_flight)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    /// Takes a permit if fewer than the limit count now. The limit row is locked for the
+    /// decision, so gateways racing for the last permit cannot both get it.
+    pub async fn acquire_permit(&self, req: &PermitRequest<'_>) -> Result<Permit> {
+        let mut tx = self.pool.begin().await?;
+        let limit: Option<i32> = sqlx::query_scalar(
+            "SELECT max_in_flight FROM adapter_limits
+             WHERE adapter = $1 AND operation_class = $2 FOR UPDATE",
+        )
+        .bind(req.adapter)
+        .bind(req.operation_class)
+        .fetch_optional(&mut *tx)
+        .await?;
+        let limit = limit.ok_or(StoreError::NotFound {
+            what: "adapter limit",
+        })?;
+        let in_flight: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM adapter_permits
+             WHERE adapter = $1 AND operation_class = $2 AND state <> 'released'
+               AND expires_at > clock_timestamp()",
+        )
+        .bind(req.adapter)
+        .bind(req.operation_class)
+        .fetch_one(&mut *tx)
+        .await?;
+        if in_flight >= i64::from(limit) {
+            return Err(StoreError::PermitsExhausted {
+                adapter: req.adapter.to_owned(),
+                operation_class: req.operation_class.to_owned(),
+                limit,
+            });
+        }
+        let permit: Permit = sqlx::query_as(concat!(
+            "INSERT INTO adapter_permits (id, adapter, operation_class, attempt_id,
+                 request_identity, gateway, expires_at)
+             VALUES ($1, $2, $3, $4, $5, $6,
+                 clock_timestamp() + $7::bigint * interval '1 millisecond')
+             RETURNING ",
+            permit_columns!()
+        ))
+        .bind(Uuid::now_v7())
+        .bind(req.adapter)
+        .bind(req.operation_class)
+        .bind(req.attempt.map(|a| a.as_uuid()))
+        .bind(req.request_identity.as_str())
+        .bind(req.gateway)
+        .bind(millis(req.hold))
+        .fetch_one(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(permit)
+    }
+
+    /// Releases a permit on a known outcome (or after resolution). Releasing twice is a no-op.
+    pub async fn release_permit(&self, id: Uuid, reason: &str) -> Result<()> {
+        sqlx::query(
+            "UPDATE adapter_permits
+             SET state = 'released', released_at = clock_timestamp(), release_reason = $2
+             WHERE id = $1 AND state <> 'released'",
+        )
+        .bind(id)
+        .bind(reason)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    /// Keeps a permit counting after an unknown outcome, for at most `safety_window`: the call
+    /// may still be running at the destination.
+    pub async fn hold_permit_unknown(&self, id: Uuid, safety_window: Duration) -> Result<()> {
+        sqlx::query(
+            "UPDATE adapter_permits
+             SET state = 'unknown',
+                 expires_at = clock_timestamp() + $2::bigint * interval '1 millisecond'
+             WHERE id = $1 AND state = 'held'",
+        )
+        .bind(id)
+        .bind(millis(safety_window))
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    /// Every permit of an adapter's operation class, oldest first: the history that shows the
+    /// limit was never exceeded.
+    pub async fn permit_history(&self, adapter: &str, operation_class: &str) -> Result<Vec<Permit>> {
+        Ok(sqlx::query_as(concat!(
+            "SELECT ",
+            permit_columns!(),
+            " FROM adapter_permits WHERE adapter = $1 AND operation_class = $2
+              ORDER BY acquired_at, id"
+        ))
+        .bind(adapter)
+        .bind(operation_class)
+        .fetch_all(&self.pool)
+        .await?)
+    }
+}

@@ -1,0 +1,559 @@
+//! Recovery's writes (DESIGN.md §6): find expired leases by PostgreSQL time, take a recovery
+//! lease (which bumps the version and so fences the old worker out), read the evidence, and
+//! record each decision as an append-only event together with the transition it implies.
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use serde_json::{Value, json};
+use uuid::Uuid;
+use z29c_core::fence::FencedWrite;
+use z29c_core::{
+    AdapterCapability, AttemptId, Checkpoint, Evidence, LeaseClaim, LeaseKind, LeaseVersion,
+    OwnerId, Outcome, RecoveryCategory, RecoveryDecision, StepId, StepState, Verification,
+    WorkflowId, WorkflowState,
+};
+
+use crate::error::parse;
+use crate::events::{self, EventKind, NewEvent};
+use crate::leases::{Observed, end_workflow, finish_step, stop_unstarted_steps};
+use crate::outbox::{self, MessageKind};
+use crate::workflows::{Receipt, ReceiptRow, open_review, receipt_columns};
+use crate::{Result, Store, StoreError, fence, millis};
+
+/// A lease that passed `expires_at` by PostgreSQL's clock.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExpiredLease {
+    pub step: StepId,
+    pub workflow: WorkflowId,
+    pub state: StepState,
+    pub version: LeaseVersion,
+    pub owner: String,
+    pub expired_for: chrono::Duration,
+}
+
+/// A stale worker's observation, kept as evidence.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, sqlx::FromRow)]
+pub struct LateObservation {
+    pub id: Uuid,
+    pub attempt_id: Uuid,
+    pub lease_version: i64,
+    pub owner: String,
+    pub request_identity: String,
+    pub input_digest: String,
+    pub adapter_version: String,
+    pub external_reference: Option<String>,
+    pub outcome: String,
+    pub observed_result: Value,
+    pub fence_reason: Value,
+    pub observed_at: DateTime<Utc>,
+}
+
+/// Everything recovery reads before it decides.
+#[derive(Debug, Clone)]
+pub struct RecoverySnapshot {
+    pub workflow: WorkflowId,
+    pub workflow_state: WorkflowState,
+    pub step_name: String,
+    pub adapter: String,
+    pub operation: String,
+    pub input_digest: String,
+    pub request_identity: Option<String>,
+    /// The attempt whose lease expired, if the step had one.
+    pub attempt: Option<AttemptId>,
+    pub checkpoint: Option<Checkpoint>,
+    pub receipt: Option<Receipt>,
+    pub late_observations: Vec<LateObservation>,
+    /// Attempts that counted against the budget (released ones do not).
+    pub attempts_used: i64,
+    pub max_attempts: i32,
+}
+
+impl RecoverySnapshot {
+    /// The evidence `z29c_core::classify` decides from. A late observation counts only when it
+    /// names this step's request identity and input digest.
+    pub fn evidence(&self, capability: AdapterCapability) -> Evidence {
+        Evidence {
+            checkpoint: self.checkpoint,
+            capability,
+            receipt: self.receipt.is_some(),
+            observed_result: !self.matching_observations().is_empty(),
+            attempts_left: self.attempts_used < i64::from(self.max_attempts),
+        }
+    }
+
+    /// Late observations that match the step's request identity and input digest.
+    pub fn matching_observations(&self) -> Vec<&LateObservation> {
+        self.late_observations
+            .iter()
+            .filter(|o| {
+                Some(o.request_identity.as_str()) == self.request_identity.as_deref()
+                    && o.input_digest == self.input_digest
+            })
+            .collect()
+    }
+}
+
+/// A recovery lease and what was found under it.
+#[derive(Debug, Clone)]
+pub struct RecoveryLease {
+    pub lease: LeaseClaim,
+    pub expires_at: DateTime<Utc>,
+    pub snapshot: RecoverySnapshot,
+}
+
+/// One recovery decision, as recorded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DecisionRecord {
+    pub category: RecoveryCategory,
+    pub decision: RecoveryDecision,
+    pub capability: AdapterCapability,
+    pub detail: Value,
+}
+
+/// A recorded decision, read back.
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+pub struct RecordedDecision {
+    pub id: Uuid,
+    pub attempt_id: Option<Uuid>,
+    pub lease_version: i64,
+    pub owner: String,
+    pub category: String,
+    pub decision: String,
+    pub capability: String,
+    pub checkpoint: Option<String>,
+    pub detail: Value,
+    pub decided_at: DateTime<Utc>,
+}
+
+#[derive(sqlx::FromRow)]
+struct ExpiredRow {
+    id: Uuid,
+    workflow_id: Uuid,
+    state: String,
+    lease_version: i64,
+    lease_owner: String,
+    expired_ms: f64,
+}
+
+#[derive(sqlx::FromRow)]
+struct TakenRow {
+    workflow_id: Uuid,
+    name: String,
+    adapter: String,
+    operation: String,
+    input_digest: String,
+    request_identity: Option<String>,
+    current_attempt_id: Option<Uuid>,
+    lease_version: i64,
+    expires_at: DateTime<Utc>,
+    max_attempts: i32,
+    workflow_state: String,
+    prior_owner: Option<String>,
+    prior_version: i64,
+}
+
+impl Store {
+    /// Leases (execution or recovery) past `expires_at` by PostgreSQL time, oldest first.
+    pub async fn scan_expired(&self, limit: i64) -> Result<Vec<ExpiredLease>> {
+        let rows: Vec<ExpiredRow> = sqlx::query_as(
+            "SELECT id, workflow_id, state::text AS state, lease_version, lease_owner,
+                    extract(epoch FROM now() - expires_at)::float8 * 1000 AS expired_ms
+             FROM steps
+             WHERE state IN ('leased', 'recovering') AND expires_at <= now()
+             ORDER BY expires_at LIMIT $1",
+        )
+        .bind(limit)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.into_iter()
+            .map(|r| {
+                Ok(ExpiredLease {
+                    step: StepId::from_uuid(r.id),
+                    workflow: WorkflowId::from_uuid(r.workflow_id),
+                    state: parse(&r.state)?,
+                    version: LeaseVersion::new(r.lease_version)
+                        .map_err(|e| StoreError::Corrupt(e.to_string()))?,
+                    owner: r.lease_owner,
+                    expired_for: chrono::Duration::milliseconds(r.expired_ms as i64),
+                })
+            })
+            .collect()
+    }
+
+    /// Takes a recovery lease on a step whose lease (at `expected`) has expired. The version is
+    /// bumped, so the old holder can no longer write; the expired attempt becomes `expired`.
+    /// Two recovery workers racing for one step: one gets it, the other gets `Fenced`.
+    pub async fn take_recovery_lease(
+        &self,
+        step: StepId,
+        expected: LeaseVersion,
+        owner: &OwnerId,
+        hold: Duration,
+    ) -> Result<RecoveryLease> {
+        let mut tx = self.pool.begin().await?;
+        let row: Option<TakenRow> = sqlx::query_as(
+            "WITH prior AS (
+                 SELECT id, lease_owner, lease_version FROM steps WHERE id = $1 FOR UPDATE
+             )
+             UPDATE steps s
+             SET state = 'recovering', lease_owner = $3, lease_version = s.lease_version + 1,
+                 leased_at = now(),
+                 expires_at = now() + $4::bigint * interval '1 millisecond',
+                 updated_at = now()
+             FROM prior
+             WHERE s.id = prior.id AND s.lease_version = $2
+               AND s.state IN ('leased', 'recovering') AND s.expires_at <= now()
+             RETURNING s.workflow_id, s.name, s.adapter, s.operation, s.input_digest,
+                 s.request_identity, s.current_attempt_id, s.lease_version, s.expires_at,
+                 s.max_attempts, prior.lease_owner AS prior_owner,
+                 prior.lease_version AS prior_version,
+                 (SELECT w.state::text FROM workflows w WHERE w.id = s.workflow_id)
+                     AS workflow_state",
+        )
+        .bind(step.as_uuid())
+        .bind(expected.get())
+        .bind(owner.as_str())
+        .bind(millis(hold))
+        .fetch_optional(&mut *tx)
+        .await?;
+        let Some(row) = row else {
+            let view = fence::view(&mut tx, step.as_uuid()).await?;
+            let reason = if view.version != expected {
+                z29c_core::FenceReason::Superseded {
+                    presented: expected,
+                    current: view.version,
+                }
+            } else if !view.state.holds_lease() {
+                z29c_core::FenceReason::NotLeased { state: view.state }
+            } else {
+                // still current: expiry is PostgreSQL's to decide, and it has not
+                z29c_core::FenceReason::Changed
+            };
+            return Err(StoreError::Fenced(reason));
+        };
+        let attempt = row.current_attempt_id;
+        let checkpoint: Option<String> = match attempt {
+            Some(a) => sqlx::query_scalar(
+                "UPDATE attempts SET state = CASE WHEN state = 'active'
+                     THEN 'expired'::attempt_state ELSE state END, updated_at = now()
+                 WHERE id = $1 RETURNING checkpoint::text",
+            )
+            .bind(a)
+            .fetch_optional(&mut *tx)
+            .await?,
+            None => None,
+        };
+        for (kind, version, who) in [
+            (EventKind::LeaseExpired, row.prior_version, row.prior_owner.as_deref()),
+            (EventKind::RecoveryLeaseAcquired, row.lease_version, Some(owner.as_str())),
+        ] {
+            events::append(
+                &mut tx,
+                NewEvent {
+                    workflow: row.workflow_id,
+                    step: step.as_uuid(),
+                    attempt,
+                    lease_version: version,
+                    owner: who,
+                    kind,
+                    detail: json!({ "checkpoint": checkpoint }),
+                },
+            )
+            .await?;
+        }
+        let receipt: Option<ReceiptRow> = sqlx::query_as(concat!(
+            "SELECT ",
+            receipt_columns!(),
+            " FROM step_receipts WHERE step_id = $1"
+        ))
+        .bind(step.as_uuid())
+        .fetch_optional(&mut *tx)
+        .await?;
+        let late_observations = late_observations(&mut tx, step.as_uuid()).await?;
+        let attempts_used: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM attempts WHERE step_id = $1 AND state <> 'released'",
+        )
+        .bind(step.as_uuid())
+        .fetch_one(&mut *tx)
+        .await?;
+        tx.commit().await?;
+
+        let lease = LeaseClaim {
+            step,
+            attempt: attempt.map_or_else(AttemptId::new, AttemptId::from_uuid),
+            owner: owner.clone(),
+            version: LeaseVersion::new(row.lease_version)
+                .map_err(|e| StoreError::Corrupt(e.to_string()))?,
+            kind: LeaseKind::Recovery,
+        };
+        Ok(RecoveryLease {
+            lease,
+            expires_at: row.expires_at,
+            snapshot: RecoverySnapshot {
+                workflow: WorkflowId::from_uuid(row.workflow_id),
+                workflow_state: parse(&row.workflow_state)?,
+                step_name: row.name,
+                adapter: row.adapter,
+                operation: row.operation,
+                input_digest: row.input_digest,
+                request_identity: row.request_identity,
+                attempt: attempt.map(AttemptId::from_uuid),
+                checkpoint: checkpoint.as_deref().map(parse).transpose()?,
+                receipt: receipt.map(Receipt::try_from).transpose()?,
+                late_observations,
+                attempts_used,
+                max_attempts: row.max_attempts,
+            },
+        })
+    }
+
+    /// Records a decision (append-only) and applies the transition it implies, in one fenced
+    /// transaction under the recovery lease. `StatusQuery` and `Reconcile` keep the lease: the
+    /// recovery worker asks, then commits a receipt or records a further decision. A decision
+    /// that would send a fresh request (`MakeReady`, `Retry`) after an invocation may have begun
+    /// is refused: only the same request identity may be sent again.
+    pub async fn record_decision(
+        &self,
+        lease: &LeaseClaim,
+        record: &DecisionRecord,
+    ) -> Result<Uuid> {
+        let mut tx = self.pool.begin().await?;
+        let held = fence::fence(&mut tx, lease, FencedWrite::Release).await?;
+        let checkpoint: Option<String> =
+            sqlx::query_scalar("SELECT checkpoint::text FROM attempts WHERE id = $1")
+                .bind(lease.attempt.as_uuid())
+                .fetch_optional(&mut *tx)
+                .await?;
+        let checkpoint: Option<Checkpoint> = checkpoint.as_deref().map(parse).transpose()?;
+        use RecoveryDecision as D;
+        if matches!(record.decision, D::MakeReady | D::Retry)
+            && checkpoint.is_some_and(Checkpoint::may_have_invoked)
+        {
+            return Err(StoreError::Conflict(format!(
+                "{} after an invocation may have begun: only the same request identity may be sent again",
+                record.decision
+            )));
+        }
+        let id = Uuid::now_v7();
+        sqlx::query(
+            "INSERT INTO recovery_decisions (id, step_id, workflow_id, attempt_id, lease_version,
+                 owner, category, decision, capability, checkpoint, detail)
+             SELECT $1, $2, $3, a.id, $5, $6, $7::recovery_category, $8::recovery_decision,
+                 $9::adapter_capability, $10::checkpoint, $11
+             FROM (SELECT $4::uuid AS want) x LEFT JOIN attempts a ON a.id = x.want",
+        )
+        .bind(id)
+        .bind(lease.step.as_uuid())
+        .bind(held.workflow)
+        .bind(lease.attempt.as_uuid())
+        .bind(lease.version.get())
+        .bind(lease.owner.as_str())
+        .bind(record.category.as_str())
+        .bind(record.decision.as_str())
+        .bind(record.capability.as_str())
+        .bind(checkpoint.map(Checkpoint::as_str))
+        .bind(&record.detail)
+        .execute(&mut *tx)
+        .await?;
+        events::append(
+            &mut tx,
+            NewEvent {
+                workflow: held.workflow,
+                step: lease.step.as_uuid(),
+                attempt: Some(lease.attempt.as_uuid()),
+                lease_version: lease.version.get(),
+                owner: Some(lease.owner.as_str()),
+                kind: EventKind::RecoveryDecision,
+                detail: json!({
+                    "decision": id,
+                    "category": record.category.as_str(),
+                    "action": record.decision.as_str(),
+                    "capability": record.capability.as_str(),
+                }),
+            },
+        )
+        .await?;
+
+        let running = held.workflow_state == WorkflowState::Running;
+        let next: Option<&str> = match record.decision {
+            D::StatusQuery | D::Reconcile => None,
+            D::MakeReady | D::Retry if running => Some("ready"),
+            D::MakeReady | D::Retry => Some("cancelled"),
+            D::RetrySameIdentity if running => Some("ready"),
+            D::RetrySameIdentity | D::HumanReview => Some("needs_review"),
+            D::AcknowledgeOnly => {
+                let outcome: Option<String> = sqlx::query_scalar(
+                    "SELECT outcome::text FROM step_receipts WHERE step_id = $1",
+                )
+                .bind(lease.step.as_uuid())
+                .fetch_optional(&mut *tx)
+                .await?;
+                match outcome.as_deref().map(parse::<Outcome>).transpose()? {
+                    Some(Outcome::Succeeded) => Some("completed"),
+                    Some(Outcome::Failed) => Some("failed"),
+                    None => {
+                        return Err(StoreError::Conflict(
+                            "acknowledge_only needs a receipt, and the step has none".into(),
+                        ));
+                    }
+                }
+            }
+            D::Fail => Some("failed"),
+        };
+        if let Some(next) = next {
+            sqlx::query(
+                "UPDATE steps
+                 SET state = $2::step_state, lease_owner = NULL, leased_at = NULL,
+                     expires_at = NULL, next_eligible_at = now(), updated_at = now()
+                 WHERE id = $1",
+            )
+            .bind(lease.step.as_uuid())
+            .bind(next)
+            .execute(&mut *tx)
+            .await?;
+            match next {
+                "ready" => {
+                    outbox::enqueue(
+                        &mut tx,
+                        MessageKind::StepReady,
+                        held.workflow,
+                        Some(lease.step.as_uuid()),
+                        json!({}),
+                    )
+                    .await?;
+                }
+                "needs_review" => {
+                    let reason = record
+                        .detail
+                        .get("reason")
+                        .and_then(Value::as_str)
+                        .unwrap_or("outcome unknown after the lease expired");
+                    open_review(&mut tx, held.workflow, lease.step.as_uuid(), reason).await?;
+                    events::append(
+                        &mut tx,
+                        NewEvent {
+                            workflow: held.workflow,
+                            step: lease.step.as_uuid(),
+                            attempt: Some(lease.attempt.as_uuid()),
+                            lease_version: lease.version.get(),
+                            owner: Some(lease.owner.as_str()),
+                            kind: EventKind::ReviewOpened,
+                            detail: json!({ "reason": reason }),
+                        },
+                    )
+                    .await?;
+                }
+                "failed" if record.decision == D::Fail && running => {
+                    end_workflow(&mut tx, held.workflow, WorkflowState::Failed).await?;
+                    stop_unstarted_steps(&mut tx, held.workflow, "a step failed by policy")
+                        .await?;
+                }
+                _ => {}
+            }
+        }
+        tx.commit().await?;
+        Ok(id)
+    }
+
+    /// Commits a step's receipt from evidence gathered under a recovery lease (a status query,
+    /// late evidence, a person's resolution). Fenced like any other write.
+    pub async fn commit_recovered_receipt(
+        &self,
+        lease: &LeaseClaim,
+        observed: &Observed,
+        verification: Verification,
+    ) -> Result<Receipt> {
+        if verification == Verification::Direct {
+            return Err(StoreError::invalid(
+                "verification",
+                "a recovered receipt is verified by status query, late evidence or a person",
+            ));
+        }
+        let mut tx = self.pool.begin().await?;
+        let held = fence::fence(
+            &mut tx,
+            lease,
+            FencedWrite::Advance(Checkpoint::ReceiptCommitted),
+        )
+        .await?;
+        if held.request_identity.as_deref() != Some(observed.request_identity.as_str())
+            || held.input_digest != observed.input_digest.as_str()
+        {
+            return Err(StoreError::Conflict(
+                "evidence does not match the step's request identity and input digest".into(),
+            ));
+        }
+        let attempt: Option<Uuid> = sqlx::query_scalar(
+            "SELECT current_attempt_id FROM steps WHERE id = $1",
+        )
+        .bind(lease.step.as_uuid())
+        .fetch_one(&mut *tx)
+        .await?;
+        let receipt = finish_step(&mut tx, lease, &held, attempt, observed, verification).await?;
+        tx.commit().await?;
+        Ok(receipt)
+    }
+
+    /// Records that one request identity was reported with two different external references.
+    /// Never an overwrite: the receipt stays, the conflict is a row for a person.
+    pub async fn record_integrity_conflict(
+        &self,
+        step: StepId,
+        request_identity: &str,
+        known_reference: Option<&str>,
+        observed_reference: Option<&str>,
+        source: &str,
+    ) -> Result<Uuid> {
+        let id = Uuid::now_v7();
+        sqlx::query(
+            "INSERT INTO integrity_conflicts (id, step_id, workflow_id, request_identity,
+                 known_reference, observed_reference, source)
+             SELECT $1, s.id, s.workflow_id, $3, $4, $5, $6 FROM steps s WHERE s.id = $2",
+        )
+        .bind(id)
+        .bind(step.as_uuid())
+        .bind(request_identity)
+        .bind(known_reference)
+        .bind(observed_reference)
+        .bind(source)
+        .execute(&self.pool)
+        .await?;
+        Ok(id)
+    }
+
+    /// A step's late observations, oldest first.
+    pub async fn late_observations(&self, step: StepId) -> Result<Vec<LateObservation>> {
+        let mut conn = self.pool.acquire().await?;
+        late_observations(&mut conn, step.as_uuid()).await
+    }
+
+    /// A step's recovery decisions, oldest first.
+    pub async fn recovery_decisions(&self, step: StepId) -> Result<Vec<RecordedDecision>> {
+        Ok(sqlx::query_as(
+            "SELECT id, attempt_id, lease_version, owner, category::text AS category,
+                    decision::text AS decision, capability::text AS capability,
+                    checkpoint::text AS checkpoint, detail, decided_at
+             FROM recovery_decisions WHERE step_id = $1 ORDER BY decided_at, id",
+        )
+        .bind(step.as_uuid())
+        .fetch_all(&self.pool)
+        .await?)
+    }
+}
+
+async fn late_observations(
+    conn: &mut sqlx::PgConnection,
+    step: Uuid,
+) -> Result<Vec<LateObservation>> {
+    Ok(sqlx::query_as(
+        "SELECT id, attempt_id, lease_version, owner, request_identity, input_digest,
+                adapter_version, external_reference, outcome::text AS outcome, observed_result,
+                fence_reason, observed_at
+         FROM late_observations WHERE step_id = $1 ORDER BY observed_at, id",
+    )
+    .bind(step)
+    .fetch_all(conn)
+    .await?)
+}

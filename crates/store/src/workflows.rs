@@ -1,0 +1,564 @@
+//! Workflows and their steps: submission (idempotent on a client key), reads that carry
+//! everything the product projection needs, and cancellation.
+
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use serde_json::{Value, json};
+use uuid::Uuid;
+use z29c_core::dag;
+use z29c_core::{
+    AttemptState, Checkpoint, ClientKey, InputDigest, LeasePolicy, LeaseVersion, Outcome,
+    PlatformBounds, ProductState, StepFacts, StepId, StepName, StepState, Verification,
+    WorkflowId, WorkflowState, project, project_workflow,
+};
+
+use crate::error::parse;
+use crate::outbox::{self, MessageKind};
+use crate::{Result, Store, StoreError, millis};
+
+/// A step as submitted.
+#[derive(Debug, Clone, Serialize)]
+pub struct NewStep {
+    pub name: StepName,
+    pub adapter: String,
+    pub operation: String,
+    pub input: Value,
+    pub depends_on: Vec<StepName>,
+    pub policy: LeasePolicy,
+}
+
+/// A workflow as submitted.
+#[derive(Debug, Clone, Serialize)]
+pub struct NewWorkflow {
+    #[serde(skip)]
+    pub client_key: ClientKey,
+    pub name: String,
+    pub deadline: Option<DateTime<Utc>>,
+    pub steps: Vec<NewStep>,
+}
+
+/// Limits on what one submission may contain.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SubmitLimits {
+    pub max_steps: usize,
+    pub max_input_bytes: usize,
+    pub bounds: PlatformBounds,
+}
+
+impl Default for SubmitLimits {
+    fn default() -> Self {
+        Self {
+            max_steps: 1_000,
+            max_input_bytes: 64 * 1024,
+            bounds: PlatformBounds::default(),
+        }
+    }
+}
+
+/// The answer to a submission.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Submitted {
+    pub workflow: WorkflowId,
+    /// False when the client key named an identical earlier submission.
+    pub created: bool,
+}
+
+/// A receipt as stored: z29c's accepted conclusion about a step.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Receipt {
+    pub id: Uuid,
+    pub step: StepId,
+    pub attempt: Option<Uuid>,
+    pub lease_version: LeaseVersion,
+    pub input_digest: String,
+    pub adapter: String,
+    pub adapter_version: String,
+    pub request_identity: String,
+    pub external_reference: Option<String>,
+    pub outcome: Outcome,
+    pub observed_result: Value,
+    pub verification: Verification,
+    pub committed_at: DateTime<Utc>,
+}
+
+#[derive(sqlx::FromRow)]
+pub(crate) struct ReceiptRow {
+    id: Uuid,
+    step_id: Uuid,
+    attempt_id: Option<Uuid>,
+    lease_version: i64,
+    input_digest: String,
+    adapter: String,
+    adapter_version: String,
+    request_identity: String,
+    external_reference: Option<String>,
+    outcome: String,
+    observed_result: Value,
+    verification: String,
+    committed_at: DateTime<Utc>,
+}
+
+/// The columns a [`ReceiptRow`] reads, as a literal so queries stay `&'static str`.
+macro_rules! receipt_columns {
+    () => {
+        "id, step_id, attempt_id, lease_version, input_digest, adapter, adapter_version, \
+         request_identity, external_reference, outcome::text AS outcome, observed_result, \
+         verification::text AS verification, committed_at"
+    };
+}
+pub(crate) use receipt_columns;
+
+impl TryFrom<ReceiptRow> for Receipt {
+    type Error = StoreError;
+    fn try_from(r: ReceiptRow) -> Result<Self> {
+        Ok(Self {
+            id: r.id,
+            step: StepId::from_uuid(r.step_id),
+            attempt: r.attempt_id,
+            lease_version: LeaseVersion::new(r.lease_version)
+                .map_err(|e| StoreError::Corrupt(e.to_string()))?,
+            input_digest: r.input_digest,
+            adapter: r.adapter,
+            adapter_version: r.adapter_version,
+            request_identity: r.request_identity,
+            external_reference: r.external_reference,
+            outcome: parse(&r.outcome)?,
+            observed_result: r.observed_result,
+            verification: parse(&r.verification)?,
+            committed_at: r.committed_at,
+        })
+    }
+}
+
+/// A step with its lease (technical detail) and its receipt (what happened), kept apart.
+#[derive(Debug, Clone, Serialize)]
+pub struct StepDetail {
+    pub id: StepId,
+    pub name: String,
+    pub adapter: String,
+    pub operation: String,
+    pub state: StepState,
+    pub input_digest: String,
+    pub request_identity: Option<String>,
+    pub lease_owner: Option<String>,
+    pub lease_version: LeaseVersion,
+    pub lease_expires_at: Option<DateTime<Utc>>,
+    pub lease_expired: bool,
+    pub next_eligible_at: DateTime<Utc>,
+    pub waiting_for_eligibility: bool,
+    pub checkpoint: Option<Checkpoint>,
+    pub last_attempt: Option<AttemptState>,
+    pub attempts_made: i32,
+    pub receipt: Option<Receipt>,
+}
+
+impl StepDetail {
+    pub fn facts(&self) -> StepFacts {
+        StepFacts {
+            state: self.state,
+            checkpoint: self.checkpoint,
+            last_attempt: self.last_attempt,
+            receipt: self.receipt.as_ref().map(|r| r.outcome),
+            lease_expired: self.lease_expired,
+            waiting_for_eligibility: self.waiting_for_eligibility,
+        }
+    }
+
+    /// What a person is told about this step.
+    pub fn product_state(&self) -> ProductState {
+        project(&self.facts())
+    }
+}
+
+/// A workflow and its steps.
+#[derive(Debug, Clone, Serialize)]
+pub struct WorkflowDetail {
+    pub id: WorkflowId,
+    pub client_key: String,
+    pub name: String,
+    pub state: WorkflowState,
+    pub deadline: Option<DateTime<Utc>>,
+    pub created_at: DateTime<Utc>,
+    pub steps: Vec<StepDetail>,
+}
+
+impl WorkflowDetail {
+    /// What a person is told about this workflow.
+    pub fn product_state(&self) -> ProductState {
+        project_workflow(self.state, self.steps.iter().map(StepDetail::product_state))
+    }
+}
+
+#[derive(sqlx::FromRow)]
+struct WorkflowRow {
+    id: Uuid,
+    client_key: String,
+    name: String,
+    state: String,
+    deadline: Option<DateTime<Utc>>,
+    created_at: DateTime<Utc>,
+}
+
+#[derive(sqlx::FromRow)]
+struct StepRow {
+    id: Uuid,
+    workflow_id: Uuid,
+    name: String,
+    adapter: String,
+    operation: String,
+    state: String,
+    input_digest: String,
+    request_identity: Option<String>,
+    lease_owner: Option<String>,
+    lease_version: i64,
+    expires_at: Option<DateTime<Utc>>,
+    lease_expired: bool,
+    next_eligible_at: DateTime<Utc>,
+    waiting: bool,
+    checkpoint: Option<String>,
+    attempt_state: Option<String>,
+    attempts_made: i32,
+}
+
+impl NewWorkflow {
+    /// Checks the submission, naming the first offending field.
+    pub fn validate(&self, limits: &SubmitLimits) -> Result<()> {
+        if self.name.len() > 200 {
+            return Err(StoreError::invalid("name", "at most 200 bytes"));
+        }
+        if self.steps.len() > limits.max_steps {
+            return Err(StoreError::invalid(
+                "steps",
+                format!("{} steps, at most {} allowed", self.steps.len(), limits.max_steps),
+            ));
+        }
+        for (i, s) in self.steps.iter().enumerate() {
+            if s.adapter.is_empty() || s.adapter.len() > 100 {
+                return Err(StoreError::invalid(
+                    format!("steps[{i}].adapter"),
+                    "must be 1 to 100 bytes",
+                ));
+            }
+            if s.operation.is_empty() || s.operation.len() > 100 {
+                return Err(StoreError::invalid(
+                    format!("steps[{i}].operation"),
+                    "must be 1 to 100 bytes",
+                ));
+            }
+            let size = serde_json::to_vec(&s.input).map_or(usize::MAX, |v| v.len());
+            if size > limits.max_input_bytes {
+                return Err(StoreError::invalid(
+                    format!("steps[{i}].input"),
+                    format!("{size} bytes, at most {} allowed", limits.max_input_bytes),
+                ));
+            }
+            s.policy
+                .validate(&limits.bounds)
+                .map_err(|e| StoreError::invalid(format!("steps[{i}].policy.{}", e.field), e.reason))?;
+        }
+        let graph: Vec<_> = self
+            .steps
+            .iter()
+            .map(|s| (s.name.clone(), s.depends_on.clone()))
+            .collect();
+        dag::validate(&graph).map_err(|e| StoreError::invalid(e.field, e.reason))?;
+        Ok(())
+    }
+
+    /// Digest of everything but the client key: the same key with another payload conflicts.
+    fn digest(&self) -> InputDigest {
+        InputDigest::of_json(&serde_json::to_value(self).unwrap_or(Value::Null))
+    }
+}
+
+impl Store {
+    /// Submits a workflow, idempotently on its client key: the same key and payload return the
+    /// first submission (`created = false`); the same key with a different payload is
+    /// [`StoreError::Conflict`]. Steps without dependencies are ready at once.
+    pub async fn submit_workflow(
+        &self,
+        wf: &NewWorkflow,
+        limits: &SubmitLimits,
+    ) -> Result<Submitted> {
+        wf.validate(limits)?;
+        let digest = wf.digest();
+        let id = WorkflowId::new();
+        let mut tx = self.pool.begin().await?;
+        let inserted: Option<Uuid> = sqlx::query_scalar(
+            "INSERT INTO workflows (id, client_key, submission_digest, name, deadline)
+             VALUES ($1, $2, $3, $4, $5)
+             ON CONFLICT (client_key) DO NOTHING
+             RETURNING id",
+        )
+        .bind(id.as_uuid())
+        .bind(wf.client_key.as_str())
+        .bind(digest.as_str())
+        .bind(&wf.name)
+        .bind(wf.deadline)
+        .fetch_optional(&mut *tx)
+        .await?;
+        if inserted.is_none() {
+            let (existing, existing_digest): (Uuid, String) = sqlx::query_as(
+                "SELECT id, submission_digest FROM workflows WHERE client_key = $1",
+            )
+            .bind(wf.client_key.as_str())
+            .fetch_one(&mut *tx)
+            .await?;
+            if existing_digest != digest.as_str() {
+                return Err(StoreError::Conflict(format!(
+                    "client key {:?} was used for a different submission ({existing})",
+                    wf.client_key.as_str()
+                )));
+            }
+            return Ok(Submitted {
+                workflow: WorkflowId::from_uuid(existing),
+                created: false,
+            });
+        }
+
+        let ids: Vec<Uuid> = wf.steps.iter().map(|_| StepId::new().as_uuid()).collect();
+        for (i, s) in wf.steps.iter().enumerate() {
+            let state = if s.depends_on.is_empty() {
+                StepState::Ready
+            } else {
+                StepState::Blocked
+            };
+            let p = &s.policy;
+            sqlx::query(
+                "INSERT INTO steps (id, workflow_id, name, position, adapter, operation, input,
+                     input_digest, lease_ms, renew_every_ms, attempt_deadline_ms, final_grace_ms,
+                     adapter_timeout_ms, progress_observable, max_attempts, state, pending_deps)
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15,
+                     $16::step_state, $17)",
+            )
+            .bind(ids[i])
+            .bind(id.as_uuid())
+            .bind(s.name.as_str())
+            .bind(i32::try_from(i).unwrap_or(i32::MAX))
+            .bind(&s.adapter)
+            .bind(&s.operation)
+            .bind(&s.input)
+            .bind(InputDigest::of_json(&s.input).as_str())
+            .bind(millis(p.lease))
+            .bind(millis(p.renew_every))
+            .bind(millis(p.attempt_deadline))
+            .bind(millis(p.final_grace))
+            .bind(millis(p.adapter_timeout))
+            .bind(p.progress_observable)
+            .bind(i32::try_from(p.max_attempts).unwrap_or(i32::MAX))
+            .bind(state.as_str())
+            .bind(i32::try_from(s.depends_on.len()).unwrap_or(i32::MAX))
+            .execute(&mut *tx)
+            .await?;
+        }
+        for (i, s) in wf.steps.iter().enumerate() {
+            for dep in &s.depends_on {
+                let d = wf
+                    .steps
+                    .iter()
+                    .position(|x| &x.name == dep)
+                    .ok_or_else(|| StoreError::invalid("depends_on", "unknown step"))?;
+                sqlx::query("INSERT INTO step_dependencies (step_id, depends_on) VALUES ($1, $2)")
+                    .bind(ids[i])
+                    .bind(ids[d])
+                    .execute(&mut *tx)
+                    .await?;
+            }
+            if s.depends_on.is_empty() {
+                outbox::enqueue(
+                    &mut tx,
+                    MessageKind::StepReady,
+                    id.as_uuid(),
+                    Some(ids[i]),
+                    json!({}),
+                )
+                .await?;
+            }
+        }
+        tx.commit().await?;
+        Ok(Submitted {
+            workflow: id,
+            created: true,
+        })
+    }
+
+    /// A workflow with its steps, their latest attempt and their receipts.
+    pub async fn workflow(&self, id: WorkflowId) -> Result<WorkflowDetail> {
+        let row: WorkflowRow = sqlx::query_as(
+            "SELECT id, client_key, name, state::text AS state, deadline, created_at
+             FROM workflows WHERE id = $1",
+        )
+        .bind(id.as_uuid())
+        .fetch_optional(&self.pool)
+        .await?
+        .ok_or(StoreError::NotFound { what: "workflow" })?;
+        let mut details = self.step_details(&[row.id]).await?;
+        Ok(WorkflowDetail {
+            id,
+            client_key: row.client_key,
+            name: row.name,
+            state: parse(&row.state)?,
+            deadline: row.deadline,
+            created_at: row.created_at,
+            steps: details.remove(&row.id).unwrap_or_default(),
+        })
+    }
+
+    /// Workflows, newest first; `before` is the last workflow of the previous page.
+    pub async fn list_workflows(
+        &self,
+        limit: i64,
+        before: Option<WorkflowId>,
+    ) -> Result<Vec<WorkflowDetail>> {
+        let rows: Vec<WorkflowRow> = sqlx::query_as(
+            "SELECT id, client_key, name, state::text AS state, deadline, created_at
+             FROM workflows
+             WHERE $2::uuid IS NULL
+                OR (created_at, id) < (SELECT created_at, id FROM workflows WHERE id = $2)
+             ORDER BY created_at DESC, id DESC LIMIT $1",
+        )
+        .bind(limit)
+        .bind(before.map(|b| b.as_uuid()))
+        .fetch_all(&self.pool)
+        .await?;
+        let ids: Vec<Uuid> = rows.iter().map(|r| r.id).collect();
+        let mut details = self.step_details(&ids).await?;
+        rows.into_iter()
+            .map(|r| {
+                Ok(WorkflowDetail {
+                    id: WorkflowId::from_uuid(r.id),
+                    client_key: r.client_key,
+                    name: r.name,
+                    state: parse(&r.state)?,
+                    deadline: r.deadline,
+                    created_at: r.created_at,
+                    steps: details.remove(&r.id).unwrap_or_default(),
+                })
+            })
+            .collect()
+    }
+
+    async fn step_details(
+        &self,
+        workflows: &[Uuid],
+    ) -> Result<std::collections::HashMap<Uuid, Vec<StepDetail>>> {
+        let rows: Vec<StepRow> = sqlx::query_as(
+            "SELECT s.id, s.workflow_id, s.name, s.adapter, s.operation, s.state::text AS state,
+                    s.input_digest, s.request_identity, s.lease_owner, s.lease_version,
+                    s.expires_at, coalesce(s.expires_at <= now(), false) AS lease_expired,
+                    s.next_eligible_at, s.next_eligible_at > now() AS waiting,
+                    a.checkpoint::text AS checkpoint, a.state::text AS attempt_state,
+                    s.attempts_made
+             FROM steps s LEFT JOIN attempts a ON a.id = s.current_attempt_id
+             WHERE s.workflow_id = ANY($1)
+             ORDER BY s.workflow_id, s.position",
+        )
+        .bind(workflows)
+        .fetch_all(&self.pool)
+        .await?;
+        let receipts: Vec<ReceiptRow> = sqlx::query_as(concat!(
+            "SELECT ",
+            receipt_columns!(),
+            " FROM step_receipts WHERE workflow_id = ANY($1)"
+        ))
+        .bind(workflows)
+        .fetch_all(&self.pool)
+        .await?;
+        let mut receipts: std::collections::HashMap<Uuid, Receipt> = receipts
+            .into_iter()
+            .map(|r| Receipt::try_from(r).map(|r| (r.step.as_uuid(), r)))
+            .collect::<Result<_>>()?;
+        let mut out: std::collections::HashMap<Uuid, Vec<StepDetail>> = Default::default();
+        for r in rows {
+            let detail = StepDetail {
+                id: StepId::from_uuid(r.id),
+                name: r.name,
+                adapter: r.adapter,
+                operation: r.operation,
+                state: parse(&r.state)?,
+                input_digest: r.input_digest,
+                request_identity: r.request_identity,
+                lease_owner: r.lease_owner,
+                lease_version: LeaseVersion::new(r.lease_version)
+                    .map_err(|e| StoreError::Corrupt(e.to_string()))?,
+                lease_expires_at: r.expires_at,
+                lease_expired: r.lease_expired,
+                next_eligible_at: r.next_eligible_at,
+                waiting_for_eligibility: r.waiting,
+                checkpoint: r.checkpoint.as_deref().map(parse).transpose()?,
+                last_attempt: r.attempt_state.as_deref().map(parse).transpose()?,
+                attempts_made: r.attempts_made,
+                receipt: receipts.remove(&r.id),
+            };
+            out.entry(r.workflow_id).or_default().push(detail);
+        }
+        Ok(out)
+    }
+
+    /// Cancels a running workflow. Steps not yet started are cancelled; a step whose last
+    /// attempt may have reached the external system goes to review instead, because its effect
+    /// may exist. Leased steps stop at their next safe checkpoint (renewal and new checkpoints
+    /// are refused) while an invocation already begun may still record its outcome. Cancelling
+    /// a cancelled workflow is a no-op; cancelling a finished one is a conflict.
+    pub async fn cancel_workflow(&self, id: WorkflowId, reason: &str) -> Result<WorkflowState> {
+        let mut tx = self.pool.begin().await?;
+        let state: Option<String> = sqlx::query_scalar(
+            "SELECT state::text FROM workflows WHERE id = $1 FOR UPDATE",
+        )
+        .bind(id.as_uuid())
+        .fetch_optional(&mut *tx)
+        .await?;
+        let state: WorkflowState =
+            parse(&state.ok_or(StoreError::NotFound { what: "workflow" })?)?;
+        match state {
+            WorkflowState::Cancelled => return Ok(state),
+            WorkflowState::Completed | WorkflowState::Failed => {
+                return Err(StoreError::Conflict(format!("workflow is already {state}")));
+            }
+            WorkflowState::Running => {}
+        }
+        sqlx::query(
+            "UPDATE workflows SET state = 'cancelled', cancel_reason = $2, ended_at = now(),
+                 updated_at = now()
+             WHERE id = $1",
+        )
+        .bind(id.as_uuid())
+        .bind(reason)
+        .execute(&mut *tx)
+        .await?;
+        crate::leases::stop_unstarted_steps(&mut tx, id.as_uuid(), reason).await?;
+        outbox::enqueue(
+            &mut tx,
+            MessageKind::WorkflowChanged,
+            id.as_uuid(),
+            None,
+            json!({ "state": "cancelled" }),
+        )
+        .await?;
+        tx.commit().await?;
+        Ok(WorkflowState::Cancelled)
+    }
+}
+
+/// Opens a review item for a step (at most one open per step).
+pub(crate) async fn open_review(
+    conn: &mut sqlx::PgConnection,
+    workflow: Uuid,
+    step: Uuid,
+    reason: &str,
+) -> Result<Uuid> {
+    let id = Uuid::now_v7();
+    sqlx::query(
+        "INSERT INTO review_items (id, step_id, workflow_id, request_identity, reason)
+         SELECT $1, s.id, s.workflow_id, s.request_identity, $3 FROM steps s
+         WHERE s.id = $2 AND s.workflow_id = $4
+         ON CONFLICT (step_id) WHERE state = 'open' DO NOTHING",
+    )
+    .bind(id)
+    .bind(step)
+    .bind(reason)
+    .bind(workflow)
+    .execute(&mut *conn)
+    .await?;
+    Ok(id)
+}
