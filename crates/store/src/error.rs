@@ -65,7 +65,8 @@ pub(crate) fn parse<T>(s: &str) -> Result<T>
 where
     T: std::str::FromStr<Err = z29c_core::ParseError>,
 {
-    s.parse().map_err(|e: z29c_core::ParseError| StoreError::Corrupt(e.to_string()))
+    s.parse()
+        .map_err(|e: z29c_core::ParseError| StoreError::Corrupt(e.to_string()))
 }
 
 /// SQLSTATE raised by `z29c_reject_mutation()` on append-only tables.
@@ -87,8 +88,9 @@ impl From<sqlx::Error> for StoreError {
                     reason: db.message().to_owned(),
                 },
                 // serialization_failure, deadlock_detected, admin/crash shutdown, cannot connect
-                Some("40001" | "40P01" | "57P01" | "57P02" | "57P03" | "08000" | "08003"
-                | "08006") => Self::Transient(e),
+                Some(
+                    "40001" | "40P01" | "57P01" | "57P02" | "57P03" | "08000" | "08003" | "08006",
+                ) => Self::Transient(e),
                 _ => Self::Database(e),
             },
             sqlx::Error::Io(_)

@@ -12,7 +12,7 @@ use uuid::Uuid;
 use z29c_core::fence::FencedWrite;
 use z29c_core::{
     AttemptId, Checkpoint, ExternalReference, FenceReason, InputDigest, LeaseClaim, LeaseKind,
-    LeasePolicy, LeaseVersion, OwnerId, Outcome, RenewalDecision, RequestIdentity, StepId,
+    LeasePolicy, LeaseVersion, Outcome, OwnerId, RenewalDecision, RequestIdentity, StepId,
     StepName, Verification, WorkflowId, WorkflowState,
 };
 
@@ -260,8 +260,12 @@ impl Store {
     /// cancelled step stops. Returns the new checkpoint version.
     pub async fn begin_invocation(&self, claim: &LeaseClaim) -> Result<i64> {
         let mut tx = self.pool.begin().await?;
-        let held =
-            fence::fence(&mut tx, claim, FencedWrite::Advance(Checkpoint::InvocationBegan)).await?;
+        let held = fence::fence(
+            &mut tx,
+            claim,
+            FencedWrite::Advance(Checkpoint::InvocationBegan),
+        )
+        .await?;
         if held.checkpoint < Some(Checkpoint::RequestIdentityPersisted) {
             return Err(StoreError::invalid(
                 "checkpoint",
@@ -341,14 +345,19 @@ impl Store {
             return Ok(reason);
         }
         // the lease itself is current: the checkpoint version or the deadline refused it
-        let (durable, deadline, lease_ms, grace_ms, now): (i64, DateTime<Utc>, i32, i32, DateTime<Utc>) =
-            sqlx::query_as(
-                "SELECT checkpoint_version, attempt_deadline, lease_ms, final_grace_ms, now()
+        let (durable, deadline, lease_ms, grace_ms, now): (
+            i64,
+            DateTime<Utc>,
+            i32,
+            i32,
+            DateTime<Utc>,
+        ) = sqlx::query_as(
+            "SELECT checkpoint_version, attempt_deadline, lease_ms, final_grace_ms, now()
                  FROM steps WHERE id = $1",
-            )
-            .bind(claim.step.as_uuid())
-            .fetch_one(&mut *conn)
-            .await?;
+        )
+        .bind(claim.step.as_uuid())
+        .fetch_one(&mut *conn)
+        .await?;
         if durable != checkpoint_version {
             return Ok(FenceReason::StaleCheckpoint {
                 presented: checkpoint_version,
@@ -437,7 +446,9 @@ impl Store {
             Err(StoreError::Conflict(msg)) => json!({ "reason": "receipt_exists", "detail": msg }),
             Err(e) => return Err(e),
         };
-        let observation = self.append_late_observation(claim, observed, &reason).await?;
+        let observation = self
+            .append_late_observation(claim, observed, &reason)
+            .await?;
         Ok(CommitOutcome::Late {
             observation,
             reason,
@@ -472,7 +483,12 @@ impl Store {
         .bind(observed.request_identity.as_str())
         .bind(observed.input_digest.as_str())
         .bind(&observed.adapter_version)
-        .bind(observed.external_reference.as_ref().map(ExternalReference::as_str))
+        .bind(
+            observed
+                .external_reference
+                .as_ref()
+                .map(ExternalReference::as_str),
+        )
         .bind(observed.outcome.as_str())
         .bind(&observed.result)
         .bind(reason)
@@ -685,12 +701,11 @@ pub(crate) async fn finish_step(
 ) -> Result<Receipt> {
     let step = claim.step.as_uuid();
     // serialises the ends of one workflow's steps, so the last one sees all the others
-    let workflow_state: String = sqlx::query_scalar(
-        "SELECT state::text FROM workflows WHERE id = $1 FOR NO KEY UPDATE",
-    )
-    .bind(held.workflow)
-    .fetch_one(&mut *conn)
-    .await?;
+    let workflow_state: String =
+        sqlx::query_scalar("SELECT state::text FROM workflows WHERE id = $1 FOR NO KEY UPDATE")
+            .bind(held.workflow)
+            .fetch_one(&mut *conn)
+            .await?;
     let workflow_state: WorkflowState = parse(&workflow_state)?;
     let row: ReceiptRow = sqlx::query_as(concat!(
         "INSERT INTO step_receipts (id, step_id, workflow_id, attempt_id, lease_version,
@@ -709,7 +724,12 @@ pub(crate) async fn finish_step(
     .bind(&held.adapter)
     .bind(&observed.adapter_version)
     .bind(observed.request_identity.as_str())
-    .bind(observed.external_reference.as_ref().map(ExternalReference::as_str))
+    .bind(
+        observed
+            .external_reference
+            .as_ref()
+            .map(ExternalReference::as_str),
+    )
     .bind(observed.outcome.as_str())
     .bind(&observed.result)
     .bind(verification.as_str())
@@ -855,8 +875,13 @@ pub(crate) async fn stop_unstarted_steps(
     .await?;
     for (step, state, lease_version) in stopped {
         if state == "needs_review" {
-            open_review(conn, workflow, step, "workflow ended after a request may have been sent")
-                .await?;
+            open_review(
+                conn,
+                workflow,
+                step,
+                "workflow ended after a request may have been sent",
+            )
+            .await?;
         }
         events::append(
             conn,

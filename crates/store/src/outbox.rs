@@ -100,17 +100,21 @@ impl Store {
 
     /// Marks messages as published. Returns how many were newly marked.
     pub async fn mark_outbox_sent(&self, ids: &[i64]) -> Result<u64> {
-        Ok(sqlx::query("UPDATE outbox SET sent_at = now() WHERE id = ANY($1) AND sent_at IS NULL")
-            .bind(ids)
-            .execute(&self.pool)
-            .await?
-            .rows_affected())
+        Ok(
+            sqlx::query("UPDATE outbox SET sent_at = now() WHERE id = ANY($1) AND sent_at IS NULL")
+                .bind(ids)
+                .execute(&self.pool)
+                .await?
+                .rows_affected(),
+        )
     }
 
     /// How many messages wait to be published.
     pub async fn outbox_backlog(&self) -> Result<i64> {
-        Ok(sqlx::query_scalar("SELECT count(*) FROM outbox WHERE sent_at IS NULL")
-            .fetch_one(&self.pool)
-            .await?)
+        Ok(
+            sqlx::query_scalar("SELECT count(*) FROM outbox WHERE sent_at IS NULL")
+                .fetch_one(&self.pool)
+                .await?,
+        )
     }
 }

@@ -156,7 +156,11 @@ impl Store {
 
     /// Every permit of an adapter's operation class, oldest first: the history that shows the
     /// limit was never exceeded.
-    pub async fn permit_history(&self, adapter: &str, operation_class: &str) -> Result<Vec<Permit>> {
+    pub async fn permit_history(
+        &self,
+        adapter: &str,
+        operation_class: &str,
+    ) -> Result<Vec<Permit>> {
         Ok(sqlx::query_as(concat!(
             "SELECT ",
             permit_columns!(),

@@ -11,7 +11,7 @@ use uuid::Uuid;
 use z29c_core::fence::FencedWrite;
 use z29c_core::{
     AdapterCapability, AttemptId, Checkpoint, Evidence, LeaseClaim, LeaseKind, LeaseVersion,
-    OwnerId, Outcome, RecoveryCategory, RecoveryDecision, StepId, StepState, Verification,
+    Outcome, OwnerId, RecoveryCategory, RecoveryDecision, StepId, StepState, Verification,
     WorkflowId, WorkflowState,
 };
 
@@ -235,19 +235,29 @@ impl Store {
         };
         let attempt = row.current_attempt_id;
         let checkpoint: Option<String> = match attempt {
-            Some(a) => sqlx::query_scalar(
-                "UPDATE attempts SET state = CASE WHEN state = 'active'
+            Some(a) => {
+                sqlx::query_scalar(
+                    "UPDATE attempts SET state = CASE WHEN state = 'active'
                      THEN 'expired'::attempt_state ELSE state END, updated_at = now()
                  WHERE id = $1 RETURNING checkpoint::text",
-            )
-            .bind(a)
-            .fetch_optional(&mut *tx)
-            .await?,
+                )
+                .bind(a)
+                .fetch_optional(&mut *tx)
+                .await?
+            }
             None => None,
         };
         for (kind, version, who) in [
-            (EventKind::LeaseExpired, row.prior_version, row.prior_owner.as_deref()),
-            (EventKind::RecoveryLeaseAcquired, row.lease_version, Some(owner.as_str())),
+            (
+                EventKind::LeaseExpired,
+                row.prior_version,
+                row.prior_owner.as_deref(),
+            ),
+            (
+                EventKind::RecoveryLeaseAcquired,
+                row.lease_version,
+                Some(owner.as_str()),
+            ),
         ] {
             events::append(
                 &mut tx,
@@ -447,8 +457,7 @@ impl Store {
                 }
                 "failed" if record.decision == D::Fail && running => {
                     end_workflow(&mut tx, held.workflow, WorkflowState::Failed).await?;
-                    stop_unstarted_steps(&mut tx, held.workflow, "a step failed by policy")
-                        .await?;
+                    stop_unstarted_steps(&mut tx, held.workflow, "a step failed by policy").await?;
                 }
                 _ => {}
             }
@@ -485,12 +494,11 @@ impl Store {
                 "evidence does not match the step's request identity and input digest".into(),
             ));
         }
-        let attempt: Option<Uuid> = sqlx::query_scalar(
-            "SELECT current_attempt_id FROM steps WHERE id = $1",
-        )
-        .bind(lease.step.as_uuid())
-        .fetch_one(&mut *tx)
-        .await?;
+        let attempt: Option<Uuid> =
+            sqlx::query_scalar("SELECT current_attempt_id FROM steps WHERE id = $1")
+                .bind(lease.step.as_uuid())
+                .fetch_one(&mut *tx)
+                .await?;
         let receipt = finish_step(&mut tx, lease, &held, attempt, observed, verification).await?;
         tx.commit().await?;
         Ok(receipt)

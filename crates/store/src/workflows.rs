@@ -8,8 +8,8 @@ use uuid::Uuid;
 use z29c_core::dag;
 use z29c_core::{
     AttemptState, Checkpoint, ClientKey, InputDigest, LeasePolicy, LeaseVersion, Outcome,
-    PlatformBounds, ProductState, StepFacts, StepId, StepName, StepState, Verification,
-    WorkflowId, WorkflowState, project, project_workflow,
+    PlatformBounds, ProductState, StepFacts, StepId, StepName, StepState, Verification, WorkflowId,
+    WorkflowState, project, project_workflow,
 };
 
 use crate::error::parse;
@@ -229,7 +229,11 @@ impl NewWorkflow {
         if self.steps.len() > limits.max_steps {
             return Err(StoreError::invalid(
                 "steps",
-                format!("{} steps, at most {} allowed", self.steps.len(), limits.max_steps),
+                format!(
+                    "{} steps, at most {} allowed",
+                    self.steps.len(),
+                    limits.max_steps
+                ),
             ));
         }
         for (i, s) in self.steps.iter().enumerate() {
@@ -252,9 +256,9 @@ impl NewWorkflow {
                     format!("{size} bytes, at most {} allowed", limits.max_input_bytes),
                 ));
             }
-            s.policy
-                .validate(&limits.bounds)
-                .map_err(|e| StoreError::invalid(format!("steps[{i}].policy.{}", e.field), e.reason))?;
+            s.policy.validate(&limits.bounds).map_err(|e| {
+                StoreError::invalid(format!("steps[{i}].policy.{}", e.field), e.reason)
+            })?;
         }
         let graph: Vec<_> = self
             .steps
@@ -298,12 +302,11 @@ impl Store {
         .fetch_optional(&mut *tx)
         .await?;
         if inserted.is_none() {
-            let (existing, existing_digest): (Uuid, String) = sqlx::query_as(
-                "SELECT id, submission_digest FROM workflows WHERE client_key = $1",
-            )
-            .bind(wf.client_key.as_str())
-            .fetch_one(&mut *tx)
-            .await?;
+            let (existing, existing_digest): (Uuid, String) =
+                sqlx::query_as("SELECT id, submission_digest FROM workflows WHERE client_key = $1")
+                    .bind(wf.client_key.as_str())
+                    .fetch_one(&mut *tx)
+                    .await?;
             if existing_digest != digest.as_str() {
                 return Err(StoreError::Conflict(format!(
                     "client key {:?} was used for a different submission ({existing})",
@@ -502,14 +505,12 @@ impl Store {
     /// a cancelled workflow is a no-op; cancelling a finished one is a conflict.
     pub async fn cancel_workflow(&self, id: WorkflowId, reason: &str) -> Result<WorkflowState> {
         let mut tx = self.pool.begin().await?;
-        let state: Option<String> = sqlx::query_scalar(
-            "SELECT state::text FROM workflows WHERE id = $1 FOR UPDATE",
-        )
-        .bind(id.as_uuid())
-        .fetch_optional(&mut *tx)
-        .await?;
-        let state: WorkflowState =
-            parse(&state.ok_or(StoreError::NotFound { what: "workflow" })?)?;
+        let state: Option<String> =
+            sqlx::query_scalar("SELECT state::text FROM workflows WHERE id = $1 FOR UPDATE")
+                .bind(id.as_uuid())
+                .fetch_optional(&mut *tx)
+                .await?;
+        let state: WorkflowState = parse(&state.ok_or(StoreError::NotFound { what: "workflow" })?)?;
         match state {
             WorkflowState::Cancelled => return Ok(state),
             WorkflowState::Completed | WorkflowState::Failed => {

@@ -1,0 +1,107 @@
+//! Shared fixtures for the store tests. Every test gets a fresh database from `#[sqlx::test]`.
+
+#![allow(dead_code, unreachable_pub)]
+
+use std::time::Duration;
+
+use serde_json::json;
+use sqlx::PgPool;
+use z29c_core::{ClientKey, ExternalReference, LeasePolicy, Outcome, OwnerId, StepId, StepName};
+use z29c_store::Store;
+use z29c_store::leases::{ClaimedStep, Observed};
+use z29c_store::workflows::{NewStep, NewWorkflow, SubmitLimits, Submitted};
+
+pub fn owner(name: &str) -> OwnerId {
+    OwnerId::parse(name).unwrap()
+}
+
+pub fn step(name: &str, deps: &[&str]) -> NewStep {
+    NewStep {
+        name: StepName::parse(name).unwrap(),
+        adapter: "http".into(),
+        operation: "deliver".into(),
+        input: json!({ "step": name, "amount": 42 }),
+        depends_on: deps.iter().map(|d| StepName::parse(*d).unwrap()).collect(),
+        policy: LeasePolicy::default(),
+    }
+}
+
+pub fn workflow(key: &str, steps: Vec<NewStep>) -> NewWorkflow {
+    NewWorkflow {
+        client_key: ClientKey::parse(key).unwrap(),
+        name: format!("test {key}"),
+        deadline: None,
+        steps,
+    }
+}
+
+pub async fn submit(store: &Store, wf: &NewWorkflow) -> Submitted {
+    store
+        .submit_workflow(wf, &SubmitLimits::default())
+        .await
+        .unwrap()
+}
+
+/// Submits one single-step workflow and claims its step.
+pub async fn claimed_single(store: &Store, key: &str, who: &str) -> ClaimedStep {
+    submit(store, &workflow(key, vec![step("only", &[])])).await;
+    let mut claimed = store.claim(&owner(who), 1).await.unwrap();
+    assert_eq!(claimed.len(), 1, "one ready step to claim");
+    claimed.pop().unwrap()
+}
+
+/// Persists the identity and begins the invocation, as an executor does before calling out.
+pub async fn invoke(store: &Store, c: &ClaimedStep) {
+    store
+        .persist_request_identity(&c.lease, &c.request_identity)
+        .await
+        .unwrap();
+    store.begin_invocation(&c.lease).await.unwrap();
+}
+
+pub fn success(c: &ClaimedStep, reference: &str) -> Observed {
+    Observed {
+        request_identity: c.request_identity.clone(),
+        input_digest: c.input_digest.clone(),
+        adapter_version: "http/1".into(),
+        outcome: Outcome::Succeeded,
+        external_reference: Some(ExternalReference::parse(reference).unwrap()),
+        result: json!({ "status": 201 }),
+    }
+}
+
+/// Moves a lease's expiry into the past, as if its time had run out on PostgreSQL's clock.
+pub async fn expire(pool: &PgPool, step: StepId) {
+    let n = sqlx::query(
+        "UPDATE steps SET leased_at = leased_at - interval '1 hour',
+             expires_at = now() - interval '1 millisecond'
+         WHERE id = $1 AND expires_at IS NOT NULL",
+    )
+    .bind(step.as_uuid())
+    .execute(pool)
+    .await
+    .unwrap()
+    .rows_affected();
+    assert_eq!(n, 1, "the step holds a lease to expire");
+}
+
+/// A short policy for tests that wait for real expiry on PostgreSQL's clock.
+pub fn short_policy() -> LeasePolicy {
+    LeasePolicy {
+        lease: Duration::from_millis(1_000),
+        renew_every: Duration::from_millis(300),
+        attempt_deadline: Duration::from_millis(2_000),
+        progress_observable: false,
+        final_grace: Duration::from_millis(600),
+        adapter_timeout: Duration::from_millis(500),
+        max_attempts: 3,
+    }
+}
+
+pub async fn count(pool: &PgPool, sql: &'static str, step: StepId) -> i64 {
+    sqlx::query_scalar(sql)
+        .bind(step.as_uuid())
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
