@@ -1,0 +1,255 @@
+//! Submission, dependency release, projection, outbox and permits against real PostgreSQL.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use sqlx::PgPool;
+use z29c_core::{ProductState, RequestIdentity, StepState, WorkflowState};
+use z29c_store::permits::PermitRequest;
+use z29c_store::workflows::SubmitLimits;
+use z29c_store::{MIGRATOR, Store, StoreError};
+
+#[sqlx::test(migrator = "MIGRATOR")]
+async fn submit_is_idempotent_on_the_client_key(pool: PgPool) {
+    let store = Store::from_pool(pool.clone());
+    let wf = workflow("order-1", vec![step("a", &[]), step("b", &["a"])]);
+    let first = submit(&store, &wf).await;
+    assert!(first.created);
+    let again = submit(&store, &wf).await;
+    assert_eq!(again.workflow, first.workflow);
+    assert!(!again.created);
+    let mut different = wf.clone();
+    different.steps[0].input = serde_json::json!({ "amount": 43 });
+    let r = store
+        .submit_workflow(&different, &SubmitLimits::default())
+        .await;
+    assert!(matches!(r, Err(StoreError::Conflict(_))), "{r:?}");
+    let n: i64 = sqlx::query_scalar("SELECT count(*) FROM workflows")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(n, 1);
+}
+
+#[sqlx::test(migrator = "MIGRATOR")]
+async fn sql_looking_keys_and_names_are_stored_verbatim(pool: PgPool) {
+    let store = Store::from_pool(pool);
+    let key = "x'); DROP TABLE steps; --";
+    let mut wf = workflow(key, vec![step("a", &[])]);
+    wf.name = "Robert'); DELETE FROM workflows; --".into();
+    let s = submit(&store, &wf).await;
+    let got = store.workflow(s.workflow).await.unwrap();
+    assert_eq!(got.client_key, key);
+    assert_eq!(got.name, wf.name);
+}
+
+#[sqlx::test(migrator = "MIGRATOR")]
+async fn invalid_submissions_name_the_field_and_store_nothing(pool: PgPool) {
+    let store = Store::from_pool(pool.clone());
+    let limits = SubmitLimits {
+        max_input_bytes: 64,
+        ..SubmitLimits::default()
+    };
+    let mut big = step("a", &[]);
+    big.input = serde_json::json!({ "blob": "x".repeat(100) });
+    let mut short_lease = step("a", &[]);
+    short_lease.policy.lease = Duration::from_millis(10);
+    let cases = vec![
+        (
+            workflow("c1", vec![step("a", &["b"]), step("b", &["a"])]),
+            "steps",
+        ),
+        (
+            workflow("c2", vec![step("a", &["missing"])]),
+            "steps[0].depends_on[0]",
+        ),
+        (workflow("c3", vec![big]), "steps[0].input"),
+        (
+            workflow("c4", vec![short_lease]),
+            "steps[0].policy.lease_ms",
+        ),
+        (workflow("c5", vec![]), "steps"),
+    ];
+    for (wf, field) in cases {
+        match store.submit_workflow(&wf, &limits).await {
+            Err(StoreError::Invalid { field: f, .. }) => assert_eq!(f, field),
+            other => panic!("expected invalid {field}, got {other:?}"),
+        }
+    }
+    let n: i64 = sqlx::query_scalar("SELECT count(*) FROM workflows")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(n, 0);
+}
+
+#[sqlx::test(migrator = "MIGRATOR")]
+async fn a_receipt_releases_dependents_and_the_last_one_completes_the_workflow(pool: PgPool) {
+    let store = Store::from_pool(pool);
+    let s = submit(
+        &store,
+        &workflow(
+            "dag",
+            vec![step("a", &[]), step("b", &["a"]), step("c", &["a", "b"])],
+        ),
+    )
+    .await;
+    let worker = owner("worker-a");
+    for expected in ["a", "b", "c"] {
+        let mut batch = store.claim(&worker, 10).await.unwrap();
+        assert_eq!(batch.len(), 1, "only {expected} is ready");
+        let c = batch.pop().unwrap();
+        assert_eq!(c.name.as_str(), expected);
+        let wf = store.workflow(s.workflow).await.unwrap();
+        assert_eq!(wf.state, WorkflowState::Running);
+        assert_eq!(wf.product_state(), ProductState::Preparing);
+        invoke(&store, &c).await;
+        let wf = store.workflow(s.workflow).await.unwrap();
+        assert_eq!(wf.product_state(), ProductState::WaitingOnExternalService);
+        store
+            .commit_receipt(&c.lease, &success(&c, &format!("ref-{expected}")))
+            .await
+            .unwrap();
+    }
+    let wf = store.workflow(s.workflow).await.unwrap();
+    assert_eq!(wf.state, WorkflowState::Completed);
+    assert_eq!(wf.product_state(), ProductState::Completed);
+    assert!(
+        wf.steps
+            .iter()
+            .all(|s| s.state == StepState::Completed && s.receipt.is_some())
+    );
+}
+
+#[sqlx::test(migrator = "MIGRATOR")]
+async fn a_failed_receipt_fails_the_workflow_and_stops_the_rest(pool: PgPool) {
+    let store = Store::from_pool(pool);
+    let s = submit(
+        &store,
+        &workflow("fail", vec![step("a", &[]), step("b", &["a"])]),
+    )
+    .await;
+    let c = store.claim(&owner("worker-a"), 10).await.unwrap().remove(0);
+    invoke(&store, &c).await;
+    let mut rejected = success(&c, "x");
+    rejected.outcome = z29c_core::Outcome::Failed;
+    rejected.external_reference = None;
+    store.commit_receipt(&c.lease, &rejected).await.unwrap();
+    let wf = store.workflow(s.workflow).await.unwrap();
+    assert_eq!(wf.state, WorkflowState::Failed);
+    assert_eq!(wf.steps[1].state, StepState::Cancelled);
+    assert_eq!(wf.product_state(), ProductState::Failed);
+}
+
+#[sqlx::test(migrator = "MIGRATOR")]
+async fn outbox_relays_claim_disjoint_batches_and_mark_them_sent(pool: PgPool) {
+    let store = Store::from_pool(pool);
+    for i in 0..10 {
+        submit(&store, &workflow(&format!("o{i}"), vec![step("a", &[])])).await;
+    }
+    assert_eq!(store.outbox_backlog().await.unwrap(), 10);
+    let hold = Duration::from_secs(30);
+    let (r1, r2) = (owner("relay-1"), owner("relay-2"));
+    let (a, b) = tokio::join!(
+        store.claim_outbox(&r1, 6, hold),
+        store.claim_outbox(&r2, 6, hold)
+    );
+    let (a, b) = (a.unwrap(), b.unwrap());
+    assert_eq!(a.len() + b.len(), 10);
+    assert!(
+        a.iter().all(|m| b.iter().all(|n| n.id != m.id)),
+        "disjoint claims"
+    );
+    assert!(
+        a.iter()
+            .all(|m| m.kind == "step_ready" && m.msg_id.starts_with("step_ready-"))
+    );
+    let ids: Vec<i64> = a.iter().chain(&b).map(|m| m.id).collect();
+    assert_eq!(store.mark_outbox_sent(&ids).await.unwrap(), 10);
+    assert_eq!(
+        store.mark_outbox_sent(&ids).await.unwrap(),
+        0,
+        "marking twice changes nothing"
+    );
+    assert_eq!(store.outbox_backlog().await.unwrap(), 0);
+    // an unfinished claim expires and the message is published again under the same msg_id
+    submit(&store, &workflow("late", vec![step("a", &[])])).await;
+    let first = store
+        .claim_outbox(&r1, 10, Duration::from_millis(1))
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let second = store.claim_outbox(&r2, 10, hold).await.unwrap();
+    assert_eq!(first.len(), 1);
+    assert_eq!(second.len(), 1);
+    assert_eq!(first[0].msg_id, second[0].msg_id);
+}
+
+#[sqlx::test(migrator = "MIGRATOR")]
+async fn permits_never_exceed_the_limit_under_concurrency(pool: PgPool) {
+    let store = Store::from_pool(pool);
+    store.set_permit_limit("http", "create", 3).await.unwrap();
+    let id = RequestIdentity::parse("req").unwrap();
+    let mut tasks = Vec::new();
+    for g in 0..12 {
+        let (store, id) = (store.clone(), id.clone());
+        tasks.push(tokio::spawn(async move {
+            let gateway = format!("gw-{g}");
+            store
+                .acquire_permit(&PermitRequest {
+                    adapter: "http",
+                    operation_class: "create",
+                    attempt: None,
+                    request_identity: &id,
+                    gateway: &gateway,
+                    hold: Duration::from_secs(30),
+                })
+                .await
+        }));
+    }
+    let mut granted = Vec::new();
+    for t in tasks {
+        match t.await.unwrap() {
+            Ok(p) => granted.push(p),
+            Err(StoreError::PermitsExhausted { limit, .. }) => assert_eq!(limit, 3),
+            Err(e) => panic!("{e}"),
+        }
+    }
+    assert_eq!(granted.len(), 3);
+    // an unknown outcome keeps its capacity; a known one frees it
+    store
+        .hold_permit_unknown(granted[0].id, Duration::from_secs(60))
+        .await
+        .unwrap();
+    store
+        .release_permit(granted[1].id, "succeeded")
+        .await
+        .unwrap();
+    let req = PermitRequest {
+        adapter: "http",
+        operation_class: "create",
+        attempt: None,
+        request_identity: &id,
+        gateway: "gw-x",
+        hold: Duration::from_secs(30),
+    };
+    store.acquire_permit(&req).await.unwrap();
+    assert!(matches!(
+        store.acquire_permit(&req).await,
+        Err(StoreError::PermitsExhausted { .. })
+    ));
+    let history = store.permit_history("http", "create").await.unwrap();
+    assert_eq!(history.len(), 4);
+    assert_eq!(history.iter().filter(|p| p.state == "unknown").count(), 1);
+    assert!(matches!(
+        store
+            .acquire_permit(&PermitRequest {
+                adapter: "nope",
+                ..req
+            })
+            .await,
+        Err(StoreError::NotFound { .. })
+    ));
+}
