@@ -1,1 +1,74 @@
-//! placeholder
+//! `z29c-scenarios`: the harness that runs z29c against real PostgreSQL and NATS.
+//!
+//! For now it owns the isolation every scenario needs: a throwaway database per test, created
+//! from `DATABASE_URL`, migrated with the embedded migrations, and dropped afterwards, so
+//! scenarios run in parallel and leave nothing behind. Service processes, fault injection and
+//! invariant checks build on it in later work.
+
+use anyhow::{Context, Result};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{ConnectOptions, PgPool};
+use z29c_store::Store;
+
+/// The server tests run against; the machine's PostgreSQL unless `DATABASE_URL` says otherwise.
+pub fn database_url() -> String {
+    std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres:postgres@127.0.0.1:5432/postgres".into())
+}
+
+/// A database that exists for one test.
+#[derive(Debug)]
+pub struct TestDatabase {
+    admin: PgConnectOptions,
+    name: String,
+    url: String,
+}
+
+impl TestDatabase {
+    /// Creates an empty database with a unique name.
+    pub async fn create() -> Result<Self> {
+        let admin: PgConnectOptions = database_url().parse().context("DATABASE_URL")?;
+        let name = format!("z29c_scn_{}", uuid::Uuid::new_v4().simple());
+        let mut conn = admin.connect().await.context("connect to PostgreSQL")?;
+        sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
+            .execute(&mut conn)
+            .await?;
+        let url = admin.clone().database(&name).to_url_lossy().to_string();
+        Ok(Self { admin, name, url })
+    }
+
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// A pool on this database.
+    pub async fn pool(&self, max: u32) -> Result<PgPool> {
+        Ok(PgPoolOptions::new()
+            .max_connections(max)
+            .connect_with(self.admin.clone().database(&self.name))
+            .await?)
+    }
+
+    /// A store on this database, migrated.
+    pub async fn store(&self) -> Result<Store> {
+        let store = Store::from_pool(self.pool(8).await?);
+        store.migrate().await?;
+        Ok(store)
+    }
+
+    /// Drops the database, ending any session still connected to it.
+    pub async fn drop_now(self) -> Result<()> {
+        let mut conn = self.admin.connect().await?;
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "DROP DATABASE IF EXISTS {} WITH (FORCE)",
+            self.name
+        )))
+        .execute(&mut conn)
+        .await?;
+        Ok(())
+    }
+}

@@ -112,7 +112,8 @@ mod tests {
 
     #[test]
     fn bad_graphs_name_the_field() {
-        let cases: &[(&[(&str, &[&str])], &str)] = &[
+        type Spec<'a> = &'a [(&'a str, &'a [&'a str])];
+        let cases: &[(Spec<'_>, &str)] = &[
             (&[], "steps"),
             (&[("a", &[]), ("a", &[])], "steps[1].name"),
             (&[("a", &["a"])], "steps[0].depends_on[0]"),

@@ -109,9 +109,9 @@ async fn racing_claimers_never_share_a_lease_and_never_lose_a_step(
         t.await.unwrap();
     }
 
-    let violations = violations.lock().unwrap();
+    let violations = std::mem::take(&mut *violations.lock().unwrap());
     assert!(violations.is_empty(), "{violations:#?}");
-    let claims = claims.lock().unwrap();
+    let claims = std::mem::take(&mut *claims.lock().unwrap());
     assert!(
         claims.len() >= 2_000,
         "the race ran many rounds: {} claims",
