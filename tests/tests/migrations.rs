@@ -10,7 +10,9 @@ async fn concurrent_starts_migrate_once_and_the_database_is_dropped_after() -> a
     let mut starts = Vec::new();
     for _ in 0..4 {
         let pool = db.pool(2).await?;
-        starts.push(tokio::spawn(async move { Store::from_pool(pool).migrate().await }));
+        starts.push(tokio::spawn(async move {
+            Store::from_pool(pool).migrate().await
+        }));
     }
     for s in starts {
         s.await??;
