@@ -1,0 +1,299 @@
+//! z29c on NATS: subject names, the JetStream stream, pull consumers, envelopes, and publishing
+//! with `Nats-Msg-Id` so JetStream drops duplicates.
+//!
+//! NATS carries hints, not truth. A consumer that receives an envelope re-reads PostgreSQL
+//! before acting; a lost message only delays work (every service also polls), a duplicate
+//! changes nothing. Every name is under a configurable prefix, so deployments, and tests, share
+//! a NATS server without seeing each other's messages.
+
+use std::time::Duration;
+
+use async_nats::HeaderMap;
+use async_nats::jetstream::{self, consumer, stream};
+use bytes::Bytes;
+use prost::Message as _;
+use z29c_proto::v1::{Envelope, envelope::Body};
+
+pub use z29c_proto::v1 as wire;
+
+/// The header JetStream de-duplicates on.
+pub const MSG_ID_HEADER: &str = "Nats-Msg-Id";
+
+pub type Result<T, E = BusError> = std::result::Result<T, E>;
+
+/// What went wrong on the bus, phrased as what to do about it.
+#[derive(Debug, thiserror::Error)]
+pub enum BusError {
+    /// NATS is unreachable or refused the request. Retry later; PostgreSQL polling covers the gap.
+    #[error("nats: {0}")]
+    Nats(String),
+    /// A message that is not a z29c envelope. Terminate it; never redeliver it forever.
+    #[error("malformed envelope: {0}")]
+    Malformed(String),
+    /// The prefix cannot be used in subject or stream names.
+    #[error("invalid prefix {0:?}: use 1 to 32 letters, digits, '-' or '_'")]
+    InvalidPrefix(String),
+}
+
+fn nats<E: std::fmt::Display>(e: E) -> BusError {
+    BusError::Nats(e.to_string())
+}
+
+/// The kinds of hint z29c publishes, one subject each.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Topic {
+    StepReady,
+    StepCompleted,
+    LateEvidence,
+    WorkflowChanged,
+}
+
+impl Topic {
+    pub const ALL: [Topic; 4] = [
+        Topic::StepReady,
+        Topic::StepCompleted,
+        Topic::LateEvidence,
+        Topic::WorkflowChanged,
+    ];
+
+    const fn suffix(self) -> &'static str {
+        match self {
+            Self::StepReady => "step.ready",
+            Self::StepCompleted => "step.completed",
+            Self::LateEvidence => "evidence.late",
+            Self::WorkflowChanged => "workflow.changed",
+        }
+    }
+
+    /// The topic an outbox kind (as stored by `z29c-store`) is published on.
+    pub fn from_outbox_kind(kind: &str) -> Option<Self> {
+        match kind {
+            "step_ready" => Some(Self::StepReady),
+            "step_completed" => Some(Self::StepCompleted),
+            "late_evidence" => Some(Self::LateEvidence),
+            "workflow_changed" => Some(Self::WorkflowChanged),
+            _ => None,
+        }
+    }
+
+    /// The topic an envelope belongs on.
+    pub fn of(envelope: &Envelope) -> Option<Self> {
+        Some(match envelope.body.as_ref()? {
+            Body::StepReady(_) => Self::StepReady,
+            Body::StepCompleted(_) => Self::StepCompleted,
+            Body::LateEvidence(_) => Self::LateEvidence,
+            Body::WorkflowChanged(_) => Self::WorkflowChanged,
+        })
+    }
+}
+
+/// Subject and stream names under one prefix.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Names {
+    prefix: String,
+}
+
+impl Names {
+    pub fn new(prefix: &str) -> Result<Self> {
+        let ok = !prefix.is_empty()
+            && prefix.len() <= 32
+            && prefix
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_');
+        if !ok {
+            return Err(BusError::InvalidPrefix(prefix.to_owned()));
+        }
+        Ok(Self {
+            prefix: prefix.to_owned(),
+        })
+    }
+
+    pub fn subject(&self, topic: Topic) -> String {
+        format!("{}.{}", self.prefix, topic.suffix())
+    }
+
+    /// The one stream that keeps every z29c hint under this prefix.
+    pub fn stream(&self) -> String {
+        format!(
+            "{}_EVENTS",
+            self.prefix.to_ascii_uppercase().replace('-', "_")
+        )
+    }
+
+    fn all_subjects(&self) -> String {
+        format!("{}.>", self.prefix)
+    }
+}
+
+/// Decodes an envelope, refusing anything that is not one.
+pub fn decode(payload: &[u8]) -> Result<Envelope> {
+    let envelope = Envelope::decode(payload).map_err(|e| BusError::Malformed(e.to_string()))?;
+    if envelope.msg_id.is_empty() || envelope.body.is_none() {
+        return Err(BusError::Malformed(
+            "envelope without msg_id or body".into(),
+        ));
+    }
+    Ok(envelope)
+}
+
+/// Whether a publish was new or a duplicate JetStream dropped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Published {
+    pub sequence: u64,
+    pub duplicate: bool,
+}
+
+/// A connection to z29c's stream.
+#[derive(Debug, Clone)]
+pub struct Bus {
+    client: async_nats::Client,
+    js: jetstream::Context,
+    names: Names,
+}
+
+impl Bus {
+    /// Connects and makes sure the stream exists (file storage, a de-duplication window that
+    /// outlasts an outbox claim, bounded age).
+    pub async fn connect(url: &str, prefix: &str) -> Result<Self> {
+        let names = Names::new(prefix)?;
+        let client = async_nats::ConnectOptions::new()
+            .name("z29c")
+            .connect(url)
+            .await
+            .map_err(nats)?;
+        let js = jetstream::new(client.clone());
+        js.get_or_create_stream(stream::Config {
+            name: names.stream(),
+            subjects: vec![names.all_subjects()],
+            storage: stream::StorageType::File,
+            duplicate_window: Duration::from_secs(120),
+            max_age: Duration::from_secs(24 * 3600),
+            ..Default::default()
+        })
+        .await
+        .map_err(nats)?;
+        Ok(Self { client, js, names })
+    }
+
+    pub fn names(&self) -> &Names {
+        &self.names
+    }
+
+    pub fn client(&self) -> &async_nats::Client {
+        &self.client
+    }
+
+    /// Publishes an envelope on its topic with `Nats-Msg-Id = msg_id` and waits for the
+    /// stream's acknowledgement.
+    pub async fn publish(&self, envelope: &Envelope) -> Result<Published> {
+        let topic = Topic::of(envelope)
+            .ok_or_else(|| BusError::Malformed("envelope without body".into()))?;
+        let mut headers = HeaderMap::new();
+        headers.insert(MSG_ID_HEADER, envelope.msg_id.as_str());
+        let ack = self
+            .js
+            .publish_with_headers(
+                self.names.subject(topic),
+                headers,
+                Bytes::from(envelope.encode_to_vec()),
+            )
+            .await
+            .map_err(nats)?
+            .await
+            .map_err(nats)?;
+        Ok(Published {
+            sequence: ack.sequence,
+            duplicate: ack.duplicate,
+        })
+    }
+
+    /// A durable pull consumer on one topic, with explicit acks. A message not acked within
+    /// `ack_wait` is redelivered, at most `max_deliver` times.
+    pub async fn pull_consumer(
+        &self,
+        durable: &str,
+        topic: Topic,
+        ack_wait: Duration,
+        max_deliver: i64,
+    ) -> Result<consumer::PullConsumer> {
+        let stream = self
+            .js
+            .get_stream(self.names.stream())
+            .await
+            .map_err(nats)?;
+        stream
+            .get_or_create_consumer(
+                durable,
+                consumer::pull::Config {
+                    durable_name: Some(durable.to_owned()),
+                    filter_subject: self.names.subject(topic),
+                    ack_policy: consumer::AckPolicy::Explicit,
+                    ack_wait,
+                    max_deliver,
+                    ..Default::default()
+                },
+            )
+            .await
+            .map_err(nats)
+    }
+
+    /// Deletes the stream and everything in it (tests and teardown).
+    pub async fn delete_stream(&self) -> Result<()> {
+        self.js
+            .delete_stream(self.names.stream())
+            .await
+            .map_err(nats)?;
+        Ok(())
+    }
+}
+
+/// An envelope announcing that a step may be ready.
+pub fn step_ready(msg_id: &str, workflow: &str, step: &str) -> Envelope {
+    Envelope {
+        msg_id: msg_id.to_owned(),
+        created_at: None,
+        body: Some(Body::StepReady(wire::StepReady {
+            workflow_id: workflow.to_owned(),
+            step_id: step.to_owned(),
+        })),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_stay_under_their_prefix() {
+        let n = Names::new("z29c-t1").unwrap();
+        assert_eq!(n.subject(Topic::StepReady), "z29c-t1.step.ready");
+        assert_eq!(n.stream(), "Z29C_T1_EVENTS");
+        for bad in ["", "a.b", "a b", "x>", &"a".repeat(33)] {
+            assert!(Names::new(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn outbox_kinds_map_to_topics() {
+        for (kind, topic) in [
+            ("step_ready", Topic::StepReady),
+            ("step_completed", Topic::StepCompleted),
+            ("late_evidence", Topic::LateEvidence),
+            ("workflow_changed", Topic::WorkflowChanged),
+        ] {
+            assert_eq!(Topic::from_outbox_kind(kind), Some(topic));
+        }
+        assert_eq!(Topic::from_outbox_kind("nope"), None);
+    }
+
+    #[test]
+    fn envelopes_round_trip_and_garbage_is_refused() {
+        let e = step_ready("m-1", "wf", "st");
+        assert_eq!(decode(&e.encode_to_vec()).unwrap(), e);
+        assert!(matches!(
+            decode(b"\xff\xff\xff"),
+            Err(BusError::Malformed(_))
+        ));
+        assert!(matches!(decode(&[]), Err(BusError::Malformed(_))));
+    }
+}

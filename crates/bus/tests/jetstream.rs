@@ -1,0 +1,73 @@
+//! Against the real NATS server: duplicates are dropped by msg-id, consumers get each hint once,
+//! and a test's stream is its own and is removed afterwards.
+
+use std::time::Duration;
+
+use futures::StreamExt;
+use z29c_bus::{Bus, Topic, decode, step_ready};
+
+fn nats_url() -> String {
+    std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into())
+}
+
+fn prefix() -> String {
+    format!("t{}", &uuid::Uuid::new_v4().simple().to_string()[..12])
+}
+
+#[tokio::test]
+async fn a_republished_outbox_message_is_dropped_as_a_duplicate() {
+    let bus = Bus::connect(&nats_url(), &prefix()).await.unwrap();
+    let e = step_ready("step_ready-1", "wf-1", "step-1");
+    let first = bus.publish(&e).await.unwrap();
+    let again = bus.publish(&e).await.unwrap();
+    assert!(!first.duplicate);
+    assert!(again.duplicate, "same Nats-Msg-Id inside the window");
+    assert_eq!(again.sequence, first.sequence);
+    let other = bus
+        .publish(&step_ready("step_ready-2", "wf-1", "step-2"))
+        .await
+        .unwrap();
+    assert!(!other.duplicate);
+
+    let consumer = bus
+        .pull_consumer("executor", Topic::StepReady, Duration::from_secs(5), 5)
+        .await
+        .unwrap();
+    let mut batch = consumer
+        .fetch()
+        .max_messages(10)
+        .expires(Duration::from_millis(500))
+        .messages()
+        .await
+        .unwrap();
+    let mut got = Vec::new();
+    while let Some(msg) = batch.next().await {
+        let msg = msg.unwrap();
+        got.push(decode(&msg.payload).unwrap().msg_id);
+        msg.ack().await.unwrap();
+    }
+    assert_eq!(got, ["step_ready-1", "step_ready-2"]);
+    bus.delete_stream().await.unwrap();
+}
+
+#[tokio::test]
+async fn prefixes_isolate_deployments_on_one_server() {
+    let (a, b) = (prefix(), prefix());
+    let bus_a = Bus::connect(&nats_url(), &a).await.unwrap();
+    let bus_b = Bus::connect(&nats_url(), &b).await.unwrap();
+    bus_a.publish(&step_ready("m-a", "wf", "st")).await.unwrap();
+    let consumer = bus_b
+        .pull_consumer("executor", Topic::StepReady, Duration::from_secs(5), 5)
+        .await
+        .unwrap();
+    let mut batch = consumer
+        .fetch()
+        .max_messages(10)
+        .expires(Duration::from_millis(300))
+        .messages()
+        .await
+        .unwrap();
+    assert!(batch.next().await.is_none(), "b sees nothing of a");
+    bus_a.delete_stream().await.unwrap();
+    bus_b.delete_stream().await.unwrap();
+}
