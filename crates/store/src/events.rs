@@ -74,6 +74,26 @@ pub(crate) struct NewEvent<'a> {
     pub(crate) detail: Value,
 }
 
+impl<'a> NewEvent<'a> {
+    /// An event written by the holder of `claim`, naming the attempt and lease it acted under.
+    pub(crate) fn by(
+        claim: &'a z29c_core::LeaseClaim,
+        workflow: Uuid,
+        kind: EventKind,
+        detail: Value,
+    ) -> Self {
+        Self {
+            workflow,
+            step: claim.step.as_uuid(),
+            attempt: Some(claim.attempt.as_uuid()),
+            lease_version: claim.version.get(),
+            owner: Some(claim.owner.as_str()),
+            kind,
+            detail,
+        }
+    }
+}
+
 pub(crate) async fn append(conn: &mut PgConnection, e: NewEvent<'_>) -> Result<()> {
     sqlx::query(
         "INSERT INTO step_events (workflow_id, step_id, attempt_id, lease_version, owner, kind, detail)

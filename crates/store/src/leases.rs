@@ -319,15 +319,12 @@ impl Store {
         };
         events::append(
             &mut tx,
-            NewEvent {
+            NewEvent::by(
+                claim,
                 workflow,
-                step: claim.step.as_uuid(),
-                attempt: Some(claim.attempt.as_uuid()),
-                lease_version: claim.version.get(),
-                owner: Some(claim.owner.as_str()),
-                kind: EventKind::LeaseRenewed,
-                detail: json!({ "expires_at": expires_at, "checkpoint_version": checkpoint_version }),
-            },
+                EventKind::LeaseRenewed,
+                json!({ "expires_at": expires_at, "checkpoint_version": checkpoint_version }),
+            ),
         )
         .await?;
         tx.commit().await?;
@@ -497,15 +494,12 @@ impl Store {
         let workflow = workflow.ok_or(StoreError::NotFound { what: "step" })?;
         events::append(
             &mut tx,
-            NewEvent {
+            NewEvent::by(
+                claim,
                 workflow,
-                step: claim.step.as_uuid(),
-                attempt: Some(claim.attempt.as_uuid()),
-                lease_version: claim.version.get(),
-                owner: Some(claim.owner.as_str()),
-                kind: EventKind::LateObservation,
-                detail: json!({ "observation": id, "reason": reason }),
-            },
+                EventKind::LateObservation,
+                json!({ "observation": id, "reason": reason }),
+            ),
         )
         .await?;
         outbox::enqueue(
@@ -576,15 +570,12 @@ impl Store {
             .await?;
         events::append(
             &mut tx,
-            NewEvent {
-                workflow: held.workflow,
-                step: claim.step.as_uuid(),
-                attempt: Some(claim.attempt.as_uuid()),
-                lease_version: claim.version.get(),
-                owner: Some(claim.owner.as_str()),
+            NewEvent::by(
+                claim,
+                held.workflow,
                 kind,
-                detail: json!({ "retry_after_ms": millis(delay), "state": next }),
-            },
+                json!({ "retry_after_ms": millis(delay), "state": next }),
+            ),
         )
         .await?;
         if next == "ready" && delay.is_zero() {
@@ -613,15 +604,12 @@ impl Store {
             .await?;
         events::append(
             &mut tx,
-            NewEvent {
-                workflow: held.workflow,
-                step: claim.step.as_uuid(),
-                attempt: Some(claim.attempt.as_uuid()),
-                lease_version: claim.version.get(),
-                owner: Some(claim.owner.as_str()),
-                kind: EventKind::LeaseReleased,
-                detail: json!({ "surrendered": why }),
-            },
+            NewEvent::by(
+                claim,
+                held.workflow,
+                EventKind::LeaseReleased,
+                json!({ "surrendered": why }),
+            ),
         )
         .await?;
         tx.commit().await?;
@@ -676,15 +664,12 @@ async fn checkpoint_event(
 ) -> Result<()> {
     events::append(
         conn,
-        NewEvent {
-            workflow: held.workflow,
-            step: claim.step.as_uuid(),
-            attempt: Some(claim.attempt.as_uuid()),
-            lease_version: claim.version.get(),
-            owner: Some(claim.owner.as_str()),
-            kind: EventKind::Checkpoint,
-            detail: json!({ "checkpoint": cp.as_str(), "checkpoint_version": held.checkpoint_version }),
-        },
+        NewEvent::by(
+            claim,
+            held.workflow,
+            EventKind::Checkpoint,
+            json!({ "checkpoint": cp.as_str(), "checkpoint_version": held.checkpoint_version }),
+        ),
     )
     .await
 }

@@ -443,15 +443,12 @@ impl Store {
                     open_review(&mut tx, held.workflow, lease.step.as_uuid(), reason).await?;
                     events::append(
                         &mut tx,
-                        NewEvent {
-                            workflow: held.workflow,
-                            step: lease.step.as_uuid(),
-                            attempt: Some(lease.attempt.as_uuid()),
-                            lease_version: lease.version.get(),
-                            owner: Some(lease.owner.as_str()),
-                            kind: EventKind::ReviewOpened,
-                            detail: json!({ "reason": reason }),
-                        },
+                        NewEvent::by(
+                            lease,
+                            held.workflow,
+                            EventKind::ReviewOpened,
+                            json!({ "reason": reason }),
+                        ),
                     )
                     .await?;
                 }
