@@ -75,16 +75,7 @@ async fn superseded_lease_cannot_commit_receipt_and_its_result_is_kept_as_late_e
     let store = Store::from_pool(pool.clone());
     let c = claimed_single(&store, "k1", "worker-a").await;
     invoke(&store, &c).await;
-    expire(&pool, c.lease.step).await;
-    let rec = store
-        .take_recovery_lease(
-            c.lease.step,
-            c.lease.version,
-            &owner("recovery-1"),
-            Duration::from_secs(30),
-        )
-        .await
-        .unwrap();
+    let rec = take_over(&store, &pool, &c).await;
     assert_eq!(rec.lease.version, c.lease.version.next());
     assert_eq!(rec.snapshot.checkpoint, Some(Checkpoint::InvocationBegan));
 
@@ -440,16 +431,7 @@ async fn request_identity_is_persisted_before_invocation_and_stable_across_attem
     ));
 
     // recovery decides to retry with the same key; the next attempt sees the same identity
-    expire(&pool, c.lease.step).await;
-    let rec = store
-        .take_recovery_lease(
-            c.lease.step,
-            c.lease.version,
-            &owner("recovery-1"),
-            Duration::from_secs(30),
-        )
-        .await
-        .unwrap();
+    let rec = take_over(&store, &pool, &c).await;
     store
         .record_decision(
             &rec.lease,
@@ -507,16 +489,7 @@ async fn append_only_tables_reject_update_and_delete(pool: PgPool) {
     let store = Store::from_pool(pool.clone());
     let c = claimed_single(&store, "k1", "worker-a").await;
     invoke(&store, &c).await;
-    expire(&pool, c.lease.step).await;
-    let rec = store
-        .take_recovery_lease(
-            c.lease.step,
-            c.lease.version,
-            &owner("recovery-1"),
-            Duration::from_secs(30),
-        )
-        .await
-        .unwrap();
+    let rec = take_over(&store, &pool, &c).await;
     store
         .commit_or_keep_late(&c.lease, &success(&c, "dest-1"))
         .await
@@ -680,16 +653,7 @@ async fn recovery_never_sends_a_fresh_request_after_invocation(pool: PgPool) {
     let store = Store::from_pool(pool.clone());
     let c = claimed_single(&store, "k1", "worker-a").await;
     invoke(&store, &c).await;
-    expire(&pool, c.lease.step).await;
-    let rec = store
-        .take_recovery_lease(
-            c.lease.step,
-            c.lease.version,
-            &owner("recovery-1"),
-            Duration::from_secs(30),
-        )
-        .await
-        .unwrap();
+    let rec = take_over(&store, &pool, &c).await;
     let evidence = rec.snapshot.evidence(z29c_core::AdapterCapability::Opaque);
     let (category, decision) = z29c_core::classify(&evidence);
     assert_eq!(decision, RecoveryDecision::HumanReview);
@@ -763,16 +727,7 @@ async fn lease_history_is_recorded_as_step_events(pool: PgPool) {
     let c = claimed_single(&store, "k1", "worker-a").await;
     invoke(&store, &c).await;
     store.renew(&c.lease, 2).await.unwrap();
-    expire(&pool, c.lease.step).await;
-    store
-        .take_recovery_lease(
-            c.lease.step,
-            c.lease.version,
-            &owner("recovery-1"),
-            Duration::from_secs(30),
-        )
-        .await
-        .unwrap();
+    take_over(&store, &pool, &c).await;
     let kinds: Vec<String> = store
         .step_events(c.lease.step)
         .await

@@ -9,6 +9,7 @@ use sqlx::PgPool;
 use z29c_core::{ClientKey, ExternalReference, LeasePolicy, Outcome, OwnerId, StepId, StepName};
 use z29c_store::Store;
 use z29c_store::leases::{ClaimedStep, Observed};
+use z29c_store::recovery::RecoveryLease;
 use z29c_store::workflows::{NewStep, NewWorkflow, SubmitLimits, Submitted};
 
 pub fn owner(name: &str) -> OwnerId {
@@ -83,6 +84,20 @@ pub async fn expire(pool: &PgPool, step: StepId) {
     .unwrap()
     .rows_affected();
     assert_eq!(n, 1, "the step holds a lease to expire");
+}
+
+/// Lets the step's lease lapse and takes it over as `recovery-1`, as recovery does.
+pub async fn take_over(store: &Store, pool: &PgPool, c: &ClaimedStep) -> RecoveryLease {
+    expire(pool, c.lease.step).await;
+    store
+        .take_recovery_lease(
+            c.lease.step,
+            c.lease.version,
+            &owner("recovery-1"),
+            Duration::from_secs(30),
+        )
+        .await
+        .unwrap()
 }
 
 /// A short policy for tests that wait for real expiry on PostgreSQL's clock.
