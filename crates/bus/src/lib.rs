@@ -119,10 +119,6 @@ impl Names {
             self.prefix.to_ascii_uppercase().replace('-', "_")
         )
     }
-
-    fn all_subjects(&self) -> String {
-        format!("{}.>", self.prefix)
-    }
 }
 
 /// Decodes an envelope, refusing anything that is not one.
@@ -164,7 +160,7 @@ impl Bus {
         let js = jetstream::new(client.clone());
         js.get_or_create_stream(stream::Config {
             name: names.stream(),
-            subjects: vec![names.all_subjects()],
+            subjects: Topic::ALL.iter().map(|t| names.subject(*t)).collect(),
             storage: stream::StorageType::File,
             duplicate_window: Duration::from_secs(120),
             max_age: Duration::from_secs(24 * 3600),
@@ -237,13 +233,128 @@ impl Bus {
             .map_err(nats)
     }
 
-    /// Deletes the stream and everything in it (tests and teardown).
+    /// Deletes the streams and everything in them (tests and teardown).
     pub async fn delete_stream(&self) -> Result<()> {
         self.js
             .delete_stream(self.names.stream())
             .await
             .map_err(nats)?;
+        // the registry exists only once a gateway registered or someone looked
+        let _ = self.js.delete_stream(self.registry_name()).await;
         Ok(())
+    }
+}
+
+/// What a gateway instance announces in the registry: where it listens and what it serves.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct GatewayRecord {
+    pub id: String,
+    /// `http://host:port` of its gRPC server.
+    pub endpoint: String,
+    pub adapters: Vec<AdapterRecord>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct AdapterRecord {
+    pub name: String,
+    pub version: String,
+    pub capability: z29c_core::AdapterCapability,
+}
+
+/// How long a registration lives without being refreshed.
+pub const REGISTRATION_TTL: Duration = Duration::from_secs(10);
+
+// The registry is a stream keeping the last message per gateway subject for
+// REGISTRATION_TTL: a key-value bucket built from plain stream features, which every
+// JetStream server since 2.2 understands (async-nats' KV API does not parse NATS 2.9's answers).
+impl Bus {
+    fn registry_subject(&self, id: &str) -> String {
+        format!("{}.registry.gateway.{id}", self.names.prefix)
+    }
+
+    fn registry_name(&self) -> String {
+        format!(
+            "{}_REGISTRY",
+            self.names.stream().trim_end_matches("_EVENTS")
+        )
+    }
+
+    async fn registry(&self) -> Result<stream::Stream> {
+        self.js
+            .get_or_create_stream(stream::Config {
+                name: self.registry_name(),
+                subjects: vec![format!("{}.registry.>", self.names.prefix)],
+                max_messages_per_subject: 1,
+                max_age: REGISTRATION_TTL,
+                duplicate_window: Duration::from_secs(1),
+                storage: stream::StorageType::Memory,
+                ..Default::default()
+            })
+            .await
+            .map_err(nats)
+    }
+
+    /// Registers (or refreshes) a gateway. Refresh more often than [`REGISTRATION_TTL`]: a
+    /// gateway that stops refreshing disappears, so executors stop sending it work.
+    pub async fn register_gateway(&self, record: &GatewayRecord) -> Result<()> {
+        self.registry().await?;
+        let value = serde_json::to_vec(record).map_err(|e| BusError::Malformed(e.to_string()))?;
+        self.js
+            .publish(self.registry_subject(&record.id), value.into())
+            .await
+            .map_err(nats)?
+            .await
+            .map_err(nats)?;
+        Ok(())
+    }
+
+    /// Removes a gateway at shutdown, so nobody waits for its registration to expire.
+    pub async fn deregister_gateway(&self, id: &str) -> Result<()> {
+        let registry = self.registry().await?;
+        registry
+            .purge()
+            .filter(self.registry_subject(id))
+            .await
+            .map_err(nats)?;
+        Ok(())
+    }
+
+    /// The gateways registered now.
+    pub async fn gateways(&self) -> Result<Vec<GatewayRecord>> {
+        let mut registry = self.registry().await?;
+        let pending = registry.info().await.map_err(nats)?.state.messages;
+        let mut out = Vec::new();
+        if pending == 0 {
+            return Ok(out);
+        }
+        let consumer: consumer::PullConsumer = registry
+            .create_consumer(consumer::pull::Config {
+                deliver_policy: consumer::DeliverPolicy::LastPerSubject,
+                filter_subject: format!("{}.registry.gateway.>", self.names.prefix),
+                ack_policy: consumer::AckPolicy::None,
+                inactive_threshold: Duration::from_secs(5),
+                ..Default::default()
+            })
+            .await
+            .map_err(nats)?;
+        let mut messages = consumer
+            .fetch()
+            .max_messages(pending as usize)
+            .expires(Duration::from_millis(300))
+            .messages()
+            .await
+            .map_err(nats)?;
+        while let Some(msg) = futures::StreamExt::next(&mut messages).await {
+            let msg = msg.map_err(nats)?;
+            if let Ok(record) = serde_json::from_slice::<GatewayRecord>(&msg.payload) {
+                out.push(record);
+            }
+            if out.len() as u64 >= pending {
+                break;
+            }
+        }
+        out.sort_by(|a, b| a.id.cmp(&b.id));
+        Ok(out)
     }
 }
 

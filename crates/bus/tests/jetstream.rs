@@ -71,3 +71,22 @@ async fn prefixes_isolate_deployments_on_one_server() {
     bus_a.delete_stream().await.unwrap();
     bus_b.delete_stream().await.unwrap();
 }
+
+#[tokio::test]
+async fn gateways_register_and_are_listed() {
+    let bus = Bus::connect(&nats_url(), &prefix()).await.unwrap();
+    let record = z29c_bus::GatewayRecord {
+        id: "gw-1".into(),
+        endpoint: "http://127.0.0.1:1".into(),
+        adapters: vec![z29c_bus::AdapterRecord {
+            name: "http".into(),
+            version: "http/1".into(),
+            capability: z29c_core::AdapterCapability::Idempotent,
+        }],
+    };
+    bus.register_gateway(&record).await.unwrap();
+    assert_eq!(bus.gateways().await.unwrap(), vec![record]);
+    bus.deregister_gateway("gw-1").await.unwrap();
+    assert!(bus.gateways().await.unwrap().is_empty());
+    bus.delete_stream().await.unwrap();
+}

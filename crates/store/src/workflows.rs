@@ -498,6 +498,19 @@ impl Store {
         Ok(out)
     }
 
+    /// Running workflows whose deadline has passed (PostgreSQL time), oldest deadline first.
+    pub async fn overdue_workflows(&self, limit: i64) -> Result<Vec<WorkflowId>> {
+        let ids: Vec<Uuid> = sqlx::query_scalar(
+            "SELECT id FROM workflows
+             WHERE state = 'running' AND deadline IS NOT NULL AND deadline <= now()
+             ORDER BY deadline LIMIT $1",
+        )
+        .bind(limit)
+        .fetch_all(&self.pool)
+        .await?;
+        Ok(ids.into_iter().map(WorkflowId::from_uuid).collect())
+    }
+
     /// Cancels a running workflow. Steps not yet started are cancelled; a step whose last
     /// attempt may have reached the external system goes to review instead, because its effect
     /// may exist. Leased steps stop at their next safe checkpoint (renewal and new checkpoints

@@ -1,0 +1,69 @@
+//! Gateway configuration. Defaults suit `z29c dev`; production sets them from file and
+//! `Z29C_…` environment (see `z29c_runtime::load_config`).
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+
+use serde::{Deserialize, Serialize};
+use z29c_core::AdapterCapability;
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default)]
+pub struct GatewayConfig {
+    /// This instance's name in the registry and in permits.
+    pub id: String,
+    pub listen: SocketAddr,
+    pub database_url: String,
+    pub max_connections: u32,
+    pub nats_url: String,
+    /// NATS subject/stream prefix shared by one deployment.
+    pub prefix: String,
+    pub adapters: Vec<AdapterConfig>,
+}
+
+impl Default for GatewayConfig {
+    fn default() -> Self {
+        Self {
+            id: "gateway-1".into(),
+            listen: "127.0.0.1:50052".parse().expect("literal address"),
+            database_url: "postgres://postgres:postgres@127.0.0.1:5432/z29c".into(),
+            max_connections: 8,
+            nats_url: "nats://127.0.0.1:4222".into(),
+            prefix: "z29c".into(),
+            adapters: vec![AdapterConfig::default()],
+        }
+    }
+}
+
+/// One adapter: an HTTP service reached at `base_url`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default)]
+pub struct AdapterConfig {
+    pub name: String,
+    pub version: String,
+    pub base_url: String,
+    pub capability: AdapterCapability,
+    /// Calls in flight allowed per operation class, across all gateway instances.
+    pub limits: BTreeMap<String, u32>,
+    /// Limit for operation classes not listed in `limits`.
+    pub default_limit: u32,
+    /// How long a permit counts if its holder never releases it.
+    pub permit_hold_ms: u64,
+    /// How long a permit keeps counting after an unknown outcome.
+    pub safety_window_ms: u64,
+}
+
+impl Default for AdapterConfig {
+    fn default() -> Self {
+        Self {
+            name: "http".into(),
+            version: "http/1".into(),
+            base_url: "http://127.0.0.1:8080".into(),
+            capability: AdapterCapability::Idempotent,
+            limits: BTreeMap::new(),
+            default_limit: 16,
+            permit_hold_ms: 60_000,
+            safety_window_ms: 120_000,
+        }
+    }
+}

@@ -1,0 +1,103 @@
+//! The adapter gateway: the only place z29c calls external systems.
+//!
+//! It serves `AdapterGateway` over gRPC. Before each invocation it takes an adapter permit in
+//! PostgreSQL (shared by all gateway instances), calls the adapter, and maps the answer to one
+//! of four outcomes: succeeded, rejected, rate-limited (retry after), or **unknown**. A timeout
+//! or a lost response is unknown, never a failure; its permit keeps counting for the adapter's
+//! safety window. Gateways register themselves in a NATS key-value bucket so executors find
+//! them, and adding an instance adds capacity.
+//!
+//! # Layout
+//! - [`config`]: the gateway's configuration and adapters.
+//! - [`http`]: the HTTP adapter (idempotency key header, status query, 429 + Retry-After).
+//! - [`service`]: the gRPC service and the permit discipline around each call.
+
+pub mod config;
+pub mod http;
+pub mod service;
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use anyhow::Context;
+use tokio_util::sync::CancellationToken;
+use z29c_bus::{AdapterRecord, Bus, GatewayRecord};
+use z29c_proto::v1::adapter_gateway_server::AdapterGatewayServer;
+use z29c_store::Store;
+
+pub use config::{AdapterConfig, GatewayConfig};
+
+/// A running gateway's address, once it listens.
+#[derive(Debug, Clone)]
+pub struct Started {
+    pub addr: SocketAddr,
+}
+
+/// Runs the gateway until `shutdown` is cancelled. `ready` receives the listening address.
+pub async fn run(
+    config: GatewayConfig,
+    shutdown: CancellationToken,
+    ready: Option<tokio::sync::oneshot::Sender<Started>>,
+) -> anyhow::Result<()> {
+    let store = Store::connect(&config.database_url, config.max_connections)
+        .await
+        .context("connect to PostgreSQL")?;
+    for a in &config.adapters {
+        for (class, limit) in &a.limits {
+            store
+                .set_permit_limit(&a.name, class, i32::try_from(*limit).unwrap_or(i32::MAX))
+                .await?;
+        }
+    }
+    let bus = Bus::connect(&config.nats_url, &config.prefix)
+        .await
+        .context("connect to NATS")?;
+    let listener = tokio::net::TcpListener::bind(config.listen)
+        .await
+        .with_context(|| format!("bind {}", config.listen))?;
+    let addr = listener.local_addr()?;
+    let record = GatewayRecord {
+        id: config.id.clone(),
+        endpoint: format!("http://{addr}"),
+        adapters: config
+            .adapters
+            .iter()
+            .map(|a| AdapterRecord {
+                name: a.name.clone(),
+                version: a.version.clone(),
+                capability: a.capability,
+            })
+            .collect(),
+    };
+    bus.register_gateway(&record).await?;
+    let registration = {
+        let (bus, record, shutdown) = (bus.clone(), record.clone(), shutdown.clone());
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_secs(3));
+            loop {
+                tokio::select! {
+                    _ = shutdown.cancelled() => break,
+                    _ = tick.tick() => {
+                        if let Err(e) = bus.register_gateway(&record).await {
+                            tracing::warn!(error = %e, "gateway registration refresh failed");
+                        }
+                    }
+                }
+            }
+        })
+    };
+    let service = service::Gateway::new(config.clone(), store);
+    tracing::info!(%addr, id = %config.id, adapters = config.adapters.len(), "gateway listening");
+    if let Some(ready) = ready {
+        let _ = ready.send(Started { addr });
+    }
+    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+    tonic::transport::Server::builder()
+        .timeout(Duration::from_secs(60))
+        .add_service(AdapterGatewayServer::new(service))
+        .serve_with_incoming_shutdown(incoming, shutdown.cancelled())
+        .await?;
+    registration.abort();
+    let _ = bus.deregister_gateway(&config.id).await;
+    Ok(())
+}

@@ -1,0 +1,292 @@
+//! The `AdapterGateway` gRPC service and the permit discipline around each call.
+
+use std::time::Duration;
+
+use serde_json::Value;
+use tonic::{Request, Response, Status};
+use z29c_core::{AttemptId, RequestIdentity};
+use z29c_proto::v1::adapter_gateway_server::AdapterGateway;
+use z29c_proto::v1::{
+    self as pb, DescribeRequest, DescribeResponse, InvokeRequest, InvokeResponse, QueryRequest,
+    QueryResponse, invoke_response, query_response,
+};
+use z29c_runtime::status_from_store;
+use z29c_store::permits::{Permit, PermitRequest};
+use z29c_store::{Store, StoreError};
+
+use crate::config::{AdapterConfig, GatewayConfig};
+use crate::http::{self, CallOutcome, QueryOutcome};
+
+/// Upper bound on one call, whatever deadline the caller sent.
+const MAX_CALL: Duration = Duration::from_secs(60);
+/// What a caller without a deadline gets.
+const DEFAULT_CALL: Duration = Duration::from_secs(10);
+/// When the permits are all taken, come back after this.
+const PERMIT_RETRY: Duration = Duration::from_millis(200);
+
+#[derive(Debug, Clone)]
+pub struct Gateway {
+    config: GatewayConfig,
+    store: Store,
+    client: reqwest::Client,
+}
+
+impl Gateway {
+    pub fn new(config: GatewayConfig, store: Store) -> Self {
+        Self {
+            config,
+            store,
+            client: reqwest::Client::new(),
+        }
+    }
+
+    fn adapter(&self, name: &str) -> Result<&AdapterConfig, Status> {
+        self.config
+            .adapters
+            .iter()
+            .find(|a| a.name == name)
+            .ok_or_else(|| Status::not_found(format!("adapter {name:?} is not served here")))
+    }
+}
+
+/// The caller's deadline from `grpc-timeout`, capped; a little is kept back for the answer.
+fn call_timeout<T>(req: &Request<T>) -> Duration {
+    let parsed = req
+        .metadata()
+        .get("grpc-timeout")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| {
+            let (n, unit) = v.split_at(v.len().checked_sub(1)?);
+            let n: u64 = n.parse().ok()?;
+            Some(match unit {
+                "H" => Duration::from_secs(n * 3600),
+                "M" => Duration::from_secs(n * 60),
+                "S" => Duration::from_secs(n),
+                "m" => Duration::from_millis(n),
+                "u" => Duration::from_micros(n),
+                "n" => Duration::from_nanos(n),
+                _ => return None,
+            })
+        });
+    let d = parsed.unwrap_or(DEFAULT_CALL).min(MAX_CALL);
+    d.saturating_sub(Duration::from_millis(50).min(d / 10))
+}
+
+fn valid_operation(op: &str) -> Result<(), Status> {
+    let ok = !op.is_empty()
+        && op.len() <= 100
+        && op
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
+    if ok {
+        Ok(())
+    } else {
+        Err(Status::invalid_argument(
+            "operation: use 1 to 100 letters, digits, '-', '_' or '.'",
+        ))
+    }
+}
+
+impl Gateway {
+    /// A permit for this call, or `None` when the limit is reached. An operation class without
+    /// a configured limit gets the adapter's default on first use.
+    async fn take_permit(
+        &self,
+        adapter: &AdapterConfig,
+        req: &PermitRequest<'_>,
+    ) -> Result<Option<Permit>, Status> {
+        for _ in 0..2 {
+            match self.store.acquire_permit(req).await {
+                Ok(p) => return Ok(Some(p)),
+                Err(StoreError::PermitsExhausted { .. }) => return Ok(None),
+                Err(StoreError::NotFound { .. }) => {
+                    self.store
+                        .set_permit_limit(
+                            &adapter.name,
+                            req.operation_class,
+                            i32::try_from(adapter.default_limit).unwrap_or(i32::MAX),
+                        )
+                        .await
+                        .map_err(status_from_store)?;
+                }
+                Err(e) => return Err(status_from_store(e)),
+            }
+        }
+        Err(Status::internal("adapter limit could not be set"))
+    }
+}
+
+#[tonic::async_trait]
+impl AdapterGateway for Gateway {
+    async fn invoke(
+        &self,
+        request: Request<InvokeRequest>,
+    ) -> Result<Response<InvokeResponse>, Status> {
+        let timeout = call_timeout(&request);
+        let req = request.into_inner();
+        let adapter = self.adapter(&req.adapter)?;
+        valid_operation(&req.operation)?;
+        let identity = RequestIdentity::parse(req.request_identity.clone())
+            .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let input: Value = serde_json::from_str(&req.input_json)
+            .map_err(|e| Status::invalid_argument(format!("input_json: {e}")))?;
+        let attempt = if req.attempt_id.is_empty() {
+            None
+        } else {
+            Some(
+                req.attempt_id
+                    .parse::<AttemptId>()
+                    .map_err(|e| Status::invalid_argument(e.to_string()))?,
+            )
+        };
+        let permit_req = PermitRequest {
+            adapter: &adapter.name,
+            operation_class: &req.operation,
+            attempt,
+            request_identity: &identity,
+            gateway: &self.config.id,
+            hold: Duration::from_millis(adapter.permit_hold_ms),
+        };
+        let Some(permit) = self.take_permit(adapter, &permit_req).await? else {
+            return Ok(Response::new(InvokeResponse {
+                outcome: Some(invoke_response::Outcome::RateLimited(pb::RateLimited {
+                    retry_after_ms: PERMIT_RETRY.as_millis() as u64,
+                })),
+                adapter_version: adapter.version.clone(),
+            }));
+        };
+
+        let outcome = http::invoke(
+            &self.client,
+            &adapter.base_url,
+            &req.operation,
+            identity.as_str(),
+            &input,
+            timeout,
+        )
+        .await;
+        let (release, answer) = match outcome {
+            CallOutcome::Succeeded { reference, result } => (
+                Some("succeeded"),
+                invoke_response::Outcome::Succeeded(pb::Succeeded {
+                    external_reference: reference,
+                    result_json: result.to_string(),
+                }),
+            ),
+            CallOutcome::Rejected { status, reason } => (
+                Some("rejected"),
+                invoke_response::Outcome::Rejected(pb::Rejected {
+                    reason,
+                    status: u32::from(status),
+                }),
+            ),
+            CallOutcome::RateLimited { retry_after } => (
+                Some("rate_limited"),
+                invoke_response::Outcome::RateLimited(pb::RateLimited {
+                    retry_after_ms: retry_after.as_millis() as u64,
+                }),
+            ),
+            CallOutcome::NotSent { reason } => {
+                tracing::warn!(adapter = %adapter.name, %reason, "request not sent");
+                (
+                    Some("not_sent"),
+                    invoke_response::Outcome::RateLimited(pb::RateLimited {
+                        retry_after_ms: 1_000,
+                    }),
+                )
+            }
+            CallOutcome::Unknown { reason } => {
+                tracing::warn!(adapter = %adapter.name, request_identity = %identity, %reason, "outcome unknown");
+                (
+                    None,
+                    invoke_response::Outcome::Unknown(pb::Unknown { reason }),
+                )
+            }
+        };
+        let permit_result = match release {
+            Some(reason) => self.store.release_permit(permit.id, reason).await,
+            None => {
+                self.store
+                    .hold_permit_unknown(permit.id, Duration::from_millis(adapter.safety_window_ms))
+                    .await
+            }
+        };
+        if let Err(e) = permit_result {
+            // the answer matters more than the permit's bookkeeping, which expires by itself
+            tracing::warn!(error = %e, permit = %permit.id, "permit update failed");
+        }
+        Ok(Response::new(InvokeResponse {
+            outcome: Some(answer),
+            adapter_version: adapter.version.clone(),
+        }))
+    }
+
+    async fn query(
+        &self,
+        request: Request<QueryRequest>,
+    ) -> Result<Response<QueryResponse>, Status> {
+        let timeout = call_timeout(&request);
+        let req = request.into_inner();
+        let adapter = self.adapter(&req.adapter)?;
+        if adapter.capability == z29c_core::AdapterCapability::Opaque {
+            return Err(Status::failed_precondition(format!(
+                "adapter {:?} is opaque: it cannot be queried",
+                adapter.name
+            )));
+        }
+        let identity = RequestIdentity::parse(req.request_identity)
+            .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let status =
+            match http::query(&self.client, &adapter.base_url, identity.as_str(), timeout).await {
+                QueryOutcome::Found { reference, result } => {
+                    query_response::Status::Found(pb::Succeeded {
+                        external_reference: reference,
+                        result_json: result.to_string(),
+                    })
+                }
+                QueryOutcome::NotFound => query_response::Status::NotFound(pb::NotFound {}),
+                QueryOutcome::Unknown { reason } => {
+                    query_response::Status::Unknown(pb::Unknown { reason })
+                }
+            };
+        Ok(Response::new(QueryResponse {
+            status: Some(status),
+        }))
+    }
+
+    async fn describe(
+        &self,
+        _request: Request<DescribeRequest>,
+    ) -> Result<Response<DescribeResponse>, Status> {
+        let adapters = self
+            .config
+            .adapters
+            .iter()
+            .map(|a| pb::AdapterDescription {
+                name: a.name.clone(),
+                version: a.version.clone(),
+                capability: capability_to_wire(a.capability) as i32,
+                limits: a
+                    .limits
+                    .iter()
+                    .map(|(class, max)| pb::OperationLimit {
+                        operation_class: class.clone(),
+                        max_in_flight: *max,
+                    })
+                    .collect(),
+            })
+            .collect();
+        Ok(Response::new(DescribeResponse {
+            gateway_id: self.config.id.clone(),
+            adapters,
+        }))
+    }
+}
+
+pub fn capability_to_wire(c: z29c_core::AdapterCapability) -> pb::AdapterCapability {
+    match c {
+        z29c_core::AdapterCapability::Idempotent => pb::AdapterCapability::Idempotent,
+        z29c_core::AdapterCapability::Queryable => pb::AdapterCapability::Queryable,
+        z29c_core::AdapterCapability::Opaque => pb::AdapterCapability::Opaque,
+    }
+}

@@ -1,0 +1,137 @@
+//! Client commands: submit, watch, status. Output is for people; exit codes for scripts
+//! (0 completed or accepted, 1 failed/cancelled/needs review, 2 bad input).
+
+#![allow(clippy::print_stdout)]
+
+use std::path::Path;
+
+use anyhow::Context;
+use z29c_proto::v1::workflow_service_client::WorkflowServiceClient;
+use z29c_proto::v1::{self as pb, ProductState};
+
+use crate::workflow_file;
+
+async fn connect(server: &str) -> anyhow::Result<WorkflowServiceClient<tonic::transport::Channel>> {
+    WorkflowServiceClient::connect(server.to_owned())
+        .await
+        .with_context(|| format!("cannot reach the scheduler at {server}"))
+}
+
+pub(crate) async fn submit(server: &str, file: &Path, watch: bool) -> anyhow::Result<()> {
+    let req = workflow_file::read(file)?.into_request()?;
+    let mut client = connect(server).await?;
+    let resp = client
+        .submit(req)
+        .await
+        .map_err(|s| anyhow::anyhow!("submit refused: {}", s.message()))?;
+    let resp = resp.into_inner();
+    let wf = resp
+        .workflow
+        .context("scheduler answered without a workflow")?;
+    println!(
+        "{} {} ({})",
+        if resp.created {
+            "submitted"
+        } else {
+            "already submitted"
+        },
+        wf.id,
+        wf.name
+    );
+    if watch {
+        let end = watch_until_done(&mut client, &wf.id).await?;
+        print_workflow(
+            &client
+                .get(pb::GetRequest {
+                    workflow_id: wf.id.clone(),
+                })
+                .await?
+                .into_inner(),
+        );
+        if end != ProductState::Completed {
+            std::process::exit(1);
+        }
+    }
+    Ok(())
+}
+
+pub(crate) async fn status(server: &str, id: &str) -> anyhow::Result<()> {
+    let mut client = connect(server).await?;
+    let wf = client
+        .get(pb::GetRequest {
+            workflow_id: id.to_owned(),
+        })
+        .await
+        .map_err(|s| anyhow::anyhow!("{}", s.message()))?
+        .into_inner();
+    print_workflow(&wf);
+    Ok(())
+}
+
+/// Prints each user-facing change until the workflow ends; returns its final state.
+pub(crate) async fn watch_until_done(
+    client: &mut WorkflowServiceClient<tonic::transport::Channel>,
+    id: &str,
+) -> anyhow::Result<ProductState> {
+    let mut stream = client
+        .watch(pb::WatchRequest {
+            workflow_id: id.to_owned(),
+        })
+        .await?
+        .into_inner();
+    let mut last = ProductState::Unspecified;
+    while let Some(event) = stream.message().await? {
+        last = event.state();
+        if event.step_name.is_empty() {
+            println!("  workflow: {}", event.state_label);
+        } else {
+            println!(
+                "  {:<10} {:<32} workflow: {}",
+                event.step_name,
+                label(event.step_state()),
+                event.state_label
+            );
+        }
+    }
+    Ok(last)
+}
+
+fn label(p: ProductState) -> &'static str {
+    match p {
+        ProductState::Unspecified => "",
+        ProductState::Preparing => "Preparing",
+        ProductState::WaitingOnExternalService => "Waiting on an external service",
+        ProductState::RecoveringExecution => "Recovering execution",
+        ProductState::NeedsReview => "Delivery status needs review",
+        ProductState::Completed => "Completed",
+        ProductState::Failed => "Failed",
+        ProductState::Cancelled => "Cancelled",
+    }
+}
+
+pub(crate) fn print_workflow(wf: &pb::Workflow) {
+    println!("workflow {} — {}: {}", wf.id, wf.name, wf.state_label);
+    for s in &wf.steps {
+        println!("  step {:<10} {}", s.name, s.state_label);
+        if let Some(r) = &s.receipt {
+            println!(
+                "    receipt: {} ref={} verified={:?} identity={}",
+                r.outcome,
+                r.external_reference,
+                r.verification(),
+                r.request_identity
+            );
+        }
+        if let Some(t) = &s.technical {
+            let leases = t
+                .events
+                .iter()
+                .filter(|e| e.kind == "lease_acquired")
+                .count();
+            println!(
+                "    technical: lease v{} ({} acquisitions), attempts {}, checkpoint {}",
+                t.lease_version, leases, t.attempts, t.checkpoint
+            );
+        }
+    }
+}

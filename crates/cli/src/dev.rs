@@ -1,0 +1,205 @@
+//! `z29c dev`: the whole system in one process on loopback — destination, adapter gateway,
+//! scheduler, executor — with the demo workflow submitted and followed to its end.
+
+#![allow(clippy::print_stdout)]
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use z29c_adapter_gateway::{AdapterConfig, GatewayConfig};
+use z29c_executor::ExecutorConfig;
+use z29c_proto::v1::workflow_service_client::WorkflowServiceClient;
+use z29c_proto::v1::{self as pb, ProductState};
+use z29c_scheduler::SchedulerConfig;
+
+use crate::infra::Infra;
+use crate::{client, workflow_file};
+
+#[derive(Debug, clap::Args)]
+pub(crate) struct DevArgs {
+    /// Workflow to run instead of the built-in demo.
+    #[arg(long)]
+    workflow: Option<PathBuf>,
+    /// Stop once the demo workflow has ended (exit 0 if it completed).
+    #[arg(long)]
+    exit_after_demo: bool,
+    /// Use this PostgreSQL instead of a throwaway one.
+    #[arg(long, env = "Z29C_DATABASE_URL")]
+    database_url: Option<String>,
+    /// Use this NATS instead of a throwaway one.
+    #[arg(long, env = "Z29C_NATS_URL")]
+    nats_url: Option<String>,
+    /// Executors to run.
+    #[arg(long, default_value_t = 1)]
+    executors: usize,
+}
+
+const DEMO: &str = include_str!("../../../examples/demo.yaml");
+
+pub(crate) async fn run(args: DevArgs) -> anyhow::Result<()> {
+    let started = Instant::now();
+    let infra = Infra::start(args.database_url.clone(), args.nats_url.clone()).await?;
+    let shutdown = z29c_runtime::shutdown_token();
+    let prefix = format!("dev{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
+
+    let store = z29c_store::Store::connect(&infra.database_url, 4).await?;
+    store.migrate().await.context("apply migrations")?;
+
+    // the destination: the outside world of the demo
+    let destination = z29c_destination::Destination::install(store.pool().clone()).await?;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let destination_url = format!("http://{}", listener.local_addr()?);
+    {
+        let router = destination.router();
+        let token = shutdown.clone();
+        tokio::spawn(async move {
+            let _ = axum::serve(listener, router)
+                .with_graceful_shutdown(token.cancelled_owned())
+                .await;
+        });
+    }
+
+    let mut tasks = Vec::new();
+    let (gw_ready, gw_addr) = tokio::sync::oneshot::channel();
+    let gateway = GatewayConfig {
+        id: "gateway-1".into(),
+        listen: "127.0.0.1:0".parse()?,
+        database_url: infra.database_url.clone(),
+        nats_url: infra.nats_url.clone(),
+        prefix: prefix.clone(),
+        adapters: vec![AdapterConfig {
+            base_url: destination_url.clone(),
+            ..AdapterConfig::default()
+        }],
+        ..GatewayConfig::default()
+    };
+    tasks.push(tokio::spawn(z29c_adapter_gateway::run(
+        gateway,
+        shutdown.clone(),
+        Some(gw_ready),
+    )));
+    if gw_addr.await.is_err() {
+        return Err(failure(tasks.pop())
+            .await
+            .context("the gateway did not start"));
+    }
+
+    let (sched_ready, sched_addr) = tokio::sync::oneshot::channel();
+    let scheduler = SchedulerConfig {
+        listen: "127.0.0.1:0".parse()?,
+        database_url: infra.database_url.clone(),
+        nats_url: infra.nats_url.clone(),
+        prefix: prefix.clone(),
+        ..SchedulerConfig::default()
+    };
+    tasks.push(tokio::spawn(z29c_scheduler::run(
+        scheduler,
+        shutdown.clone(),
+        Some(sched_ready),
+    )));
+    let Ok(sched_addr) = sched_addr.await else {
+        return Err(failure(tasks.pop())
+            .await
+            .context("the scheduler did not start"));
+    };
+
+    for i in 0..args.executors.max(1) {
+        let executor = ExecutorConfig {
+            id: format!("executor-{}", i + 1),
+            database_url: infra.database_url.clone(),
+            nats_url: infra.nats_url.clone(),
+            prefix: prefix.clone(),
+            ..ExecutorConfig::default()
+        };
+        tasks.push(tokio::spawn(z29c_executor::run(executor, shutdown.clone())));
+    }
+    let server = format!("http://{sched_addr}");
+    println!("z29c dev is up in {:.1} s", started.elapsed().as_secs_f64());
+    println!("  scheduler (WorkflowService): {server}");
+    println!("  destination (synthetic external system): {destination_url}");
+    println!("  PostgreSQL: {}", infra.database_url);
+    println!("  NATS: {} (prefix {prefix})", infra.nats_url);
+
+    let file = match &args.workflow {
+        Some(path) => workflow_file::read(path)?,
+        None => workflow_file::parse(DEMO)?,
+    };
+    let mut client = WorkflowServiceClient::connect(server.clone()).await?;
+    let submitted = client
+        .submit(file.into_request()?)
+        .await
+        .map_err(|s| anyhow::anyhow!("demo submit refused: {}", s.message()))?
+        .into_inner();
+    let wf = submitted.workflow.context("no workflow in the answer")?;
+    println!("demo workflow {} submitted", wf.id);
+    let end = client::watch_until_done(&mut client, &wf.id).await?;
+    let detail = client
+        .get(pb::GetRequest {
+            workflow_id: wf.id.clone(),
+        })
+        .await?
+        .into_inner();
+    client::print_workflow(&detail);
+    check_against_ledger(&detail, &destination).await?;
+    println!(
+        "demo finished: {:?} after {:.1} s",
+        end,
+        started.elapsed().as_secs_f64()
+    );
+
+    if !args.exit_after_demo {
+        println!("running; Ctrl-C to stop");
+        shutdown.cancelled().await;
+    }
+    shutdown.cancel();
+    for t in tasks {
+        match tokio::time::timeout(Duration::from_secs(15), t).await {
+            Ok(Ok(Err(e))) => tracing::warn!(error = %e, "service ended with an error"),
+            Ok(_) => {}
+            Err(_) => tracing::warn!("a service did not stop within 15 s"),
+        }
+    }
+    drop(infra);
+    if end != ProductState::Completed {
+        bail!("the demo workflow ended {end:?}");
+    }
+    Ok(())
+}
+
+/// Why a service task ended before it was ready.
+async fn failure(task: Option<tokio::task::JoinHandle<anyhow::Result<()>>>) -> anyhow::Error {
+    match task {
+        Some(t) => match t.await {
+            Ok(Err(e)) => e,
+            Ok(Ok(())) => anyhow::anyhow!("it stopped without an error"),
+            Err(e) => anyhow::anyhow!("it panicked: {e}"),
+        },
+        None => anyhow::anyhow!("no task"),
+    }
+}
+
+/// Every receipt's external reference must be in the destination's own ledger, once.
+async fn check_against_ledger(
+    wf: &pb::Workflow,
+    destination: &z29c_destination::Destination,
+) -> anyhow::Result<()> {
+    let ledger = destination.ledger().await?;
+    for s in &wf.steps {
+        let Some(r) = &s.receipt else { continue };
+        let hits = ledger
+            .iter()
+            .filter(|e| e.idempotency_key.as_deref() == Some(r.request_identity.as_str()))
+            .count();
+        let matches = ledger.iter().any(|e| e.reference == r.external_reference);
+        if hits != 1 || !matches {
+            bail!(
+                "step {}: receipt {} does not match the destination's ledger ({hits} entries for its identity)",
+                s.name,
+                r.external_reference
+            );
+        }
+    }
+    println!("receipts match the destination's ledger: one effect per request identity");
+    Ok(())
+}

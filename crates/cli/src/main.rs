@@ -1,0 +1,119 @@
+//! `z29c`: run the whole system on one machine (`z29c dev`), submit and follow workflows, apply
+//! migrations, or run one service.
+
+mod client;
+mod dev;
+mod infra;
+mod workflow_file;
+
+use std::path::PathBuf;
+
+use clap::{Parser, Subcommand};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "z29c",
+    version,
+    about = "A durable workflow-step engine that never reads a lease as a receipt"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Everything in one process on loopback, with the demo workflow. Without
+    /// Z29C_DATABASE_URL / Z29C_NATS_URL it starts a throwaway PostgreSQL and NATS.
+    Dev(dev::DevArgs),
+    /// Submit a workflow file (YAML).
+    Submit {
+        file: PathBuf,
+        /// Follow the workflow until it ends.
+        #[arg(long)]
+        watch: bool,
+        #[arg(long, env = "Z29C_SERVER", default_value = "http://127.0.0.1:50051")]
+        server: String,
+    },
+    /// Show a workflow: product states, receipts, and the lease history.
+    Status {
+        workflow_id: String,
+        #[arg(long, env = "Z29C_SERVER", default_value = "http://127.0.0.1:50051")]
+        server: String,
+    },
+    /// Apply the database migrations.
+    Migrate {
+        #[arg(long, env = "Z29C_DATABASE_URL")]
+        database_url: String,
+    },
+    /// Run the scheduler.
+    Scheduler(ServiceArgs),
+    /// Run an executor.
+    Executor(ServiceArgs),
+    /// Run an adapter gateway.
+    Gateway(ServiceArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct ServiceArgs {
+    /// TOML configuration file; Z29C_* environment variables override it.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Print the resulting configuration and exit.
+    #[arg(long)]
+    dump_config: bool,
+}
+
+fn config<T: Serialize + DeserializeOwned + Default>(
+    args: &ServiceArgs,
+) -> anyhow::Result<Option<T>> {
+    let c: T = z29c_runtime::load_config(args.config.as_deref())?;
+    if args.dump_config {
+        #[allow(clippy::print_stdout)]
+        {
+            println!("{}", toml::to_string_pretty(&c)?);
+        }
+        return Ok(None);
+    }
+    Ok(Some(c))
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    z29c_runtime::init_tracing();
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Dev(args) => dev::run(args).await,
+        Command::Submit {
+            file,
+            watch,
+            server,
+        } => client::submit(&server, &file, watch).await,
+        Command::Status {
+            workflow_id,
+            server,
+        } => client::status(&server, &workflow_id).await,
+        Command::Migrate { database_url } => {
+            z29c_store::Store::connect(&database_url, 2)
+                .await?
+                .migrate()
+                .await?;
+            tracing::info!("migrations applied");
+            Ok(())
+        }
+        Command::Scheduler(args) => match config(&args)? {
+            Some(c) => z29c_scheduler::run(c, z29c_runtime::shutdown_token(), None).await,
+            None => Ok(()),
+        },
+        Command::Executor(args) => match config(&args)? {
+            Some(c) => z29c_executor::run(c, z29c_runtime::shutdown_token()).await,
+            None => Ok(()),
+        },
+        Command::Gateway(args) => match config(&args)? {
+            Some(c) => z29c_adapter_gateway::run(c, z29c_runtime::shutdown_token(), None).await,
+            None => Ok(()),
+        },
+    }
+}

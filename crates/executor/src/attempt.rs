@@ -1,0 +1,187 @@
+//! One attempt, checkpoint by checkpoint (DESIGN.md §5). Every durable step is fenced by the
+//! store; this module decides only *what to try next*, never whether the lease still holds.
+
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+use z29c_core::{Deadlines, ExternalReference, Outcome};
+use z29c_proto::v1::{InvokeRequest, invoke_response};
+use z29c_store::leases::{ClaimedStep, CommitOutcome, Observed};
+use z29c_store::{Store, StoreError};
+
+use crate::gateways::Gateways;
+
+/// What an attempt needs from its executor.
+#[derive(Debug, Clone)]
+pub struct Context {
+    pub store: Store,
+    pub gateways: Gateways,
+    /// Cancelled at shutdown: attempts that have not begun their invocation give the step back.
+    pub stop: CancellationToken,
+}
+
+/// Runs one claimed step to a receipt, a release, or a hand-over to recovery. Errors are logged
+/// here: the durable state is always left somewhere recovery can reason from.
+pub async fn run(ctx: Context, step: ClaimedStep) {
+    let span = tracing::info_span!(
+        "attempt",
+        step = %step.lease.step,
+        workflow = %step.workflow,
+        lease_version = %step.lease.version,
+        attempt = step.attempt_number,
+    );
+    if let Err(e) = attempt(&ctx, &step).instrument(span).await {
+        match e {
+            StoreError::Fenced(reason) => {
+                tracing::info!(step = %step.lease.step, %reason, "attempt stopped: lease no longer current");
+            }
+            e => tracing::warn!(step = %step.lease.step, error = %e, "attempt stopped"),
+        }
+    }
+}
+
+async fn attempt(ctx: &Context, step: &ClaimedStep) -> Result<(), StoreError> {
+    let claimed_at = Instant::now();
+    let store = &ctx.store;
+    let lease = &step.lease;
+
+    store
+        .persist_request_identity(lease, &step.request_identity)
+        .await?;
+
+    // safe boundary: nothing has been sent yet
+    if ctx.stop.is_cancelled() {
+        return store.release_unbegun(lease).await;
+    }
+    let Some(gateway) = ctx.gateways.for_adapter(&step.adapter).await else {
+        tracing::warn!(adapter = %step.adapter, "no gateway serves this adapter; giving the step back");
+        return store
+            .release_rate_limited(lease, Duration::from_secs(2))
+            .await;
+    };
+    let Some(budget) = deadlines(step, claimed_at).call_budget() else {
+        tracing::warn!("no time left for a call under this lease; giving the step back");
+        return store.release_unbegun(lease).await;
+    };
+    let version = match store.begin_invocation(lease).await {
+        Ok(v) => v,
+        Err(StoreError::Fenced(z29c_core::FenceReason::WorkflowForbids { .. })) => {
+            // cancelled before anything was sent: stop here
+            return store.release_unbegun(lease).await;
+        }
+        Err(e) => return Err(e),
+    };
+
+    // renewal beside the call; it stops refreshing when fenced, and the commit below is fenced
+    // anyway, so a lost lease turns the answer into late evidence
+    let renewal = {
+        let (store, lease, every) = (store.clone(), lease.clone(), step.policy.renew_every);
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(every).await;
+                if let Err(e) = store.renew(&lease, version).await {
+                    tracing::info!(step = %lease.step, error = %e, "renewal refused; finishing the call, then stopping");
+                    return;
+                }
+            }
+        })
+    };
+
+    let mut request = tonic::Request::new(InvokeRequest {
+        adapter: step.adapter.clone(),
+        operation: step.operation.clone(),
+        request_identity: step.request_identity.to_string(),
+        input_json: step.input.to_string(),
+        input_digest: step.input_digest.to_string(),
+        workflow_id: step.workflow.to_string(),
+        step_id: lease.step.to_string(),
+        attempt_id: lease.attempt.to_string(),
+        lease_version: lease.version.get(),
+    });
+    request.set_timeout(budget);
+    let mut client = gateway.client;
+    let answer = client.invoke(request).await;
+    renewal.abort();
+
+    let response = match answer {
+        Ok(r) => r.into_inner(),
+        Err(status) => {
+            // the gateway may have called out before failing: unknown, recovery decides
+            tracing::warn!(gateway = %gateway.gateway, %status, "gateway call failed; handing to recovery");
+            return store.surrender(lease, &format!("gateway: {status}")).await;
+        }
+    };
+    let observed = |outcome: Outcome, reference: Option<String>, result: Value| Observed {
+        request_identity: step.request_identity.clone(),
+        input_digest: step.input_digest.clone(),
+        adapter_version: if response.adapter_version.is_empty() {
+            "unknown".into()
+        } else {
+            response.adapter_version.clone()
+        },
+        outcome,
+        external_reference: reference.and_then(|r| ExternalReference::parse(r).ok()),
+        result,
+    };
+    match response.outcome.clone() {
+        Some(invoke_response::Outcome::Succeeded(s)) => {
+            let result = serde_json::from_str(&s.result_json).unwrap_or(Value::Null);
+            let o = observed(Outcome::Succeeded, Some(s.external_reference), result);
+            report(store.commit_or_keep_late(lease, &o).await?);
+        }
+        Some(invoke_response::Outcome::Rejected(r)) => {
+            let result = serde_json::json!({ "status": r.status, "reason": r.reason });
+            let o = observed(Outcome::Failed, None, result);
+            report(store.commit_or_keep_late(lease, &o).await?);
+        }
+        Some(invoke_response::Outcome::RateLimited(r)) => {
+            store
+                .release_rate_limited(lease, Duration::from_millis(r.retry_after_ms))
+                .await?;
+        }
+        Some(invoke_response::Outcome::Unknown(u)) => {
+            store
+                .surrender(lease, &format!("outcome unknown: {}", u.reason))
+                .await?;
+        }
+        None => {
+            store.surrender(lease, "gateway answered nothing").await?;
+        }
+    }
+    Ok(())
+}
+
+fn report(outcome: CommitOutcome) {
+    match outcome {
+        CommitOutcome::Committed(r) => {
+            tracing::info!(step = %r.step, reference = ?r.external_reference, outcome = %r.outcome, "receipt committed");
+        }
+        CommitOutcome::Late {
+            observation,
+            reason,
+        } => {
+            tracing::warn!(%observation, %reason, "lease lost before the answer: kept as late evidence");
+        }
+    }
+}
+
+/// The four deadlines as this worker sees them: PostgreSQL's times at claim, minus the time
+/// this process has measured since on its monotonic clock. Its wall clock plays no part.
+fn deadlines(step: &ClaimedStep, claimed_at: Instant) -> Deadlines {
+    let elapsed = claimed_at.elapsed();
+    let left = |until: chrono::DateTime<chrono::Utc>| {
+        (until - step.db_now)
+            .to_std()
+            .unwrap_or_default()
+            .saturating_sub(elapsed)
+    };
+    Deadlines {
+        adapter_timeout: step.policy.adapter_timeout,
+        lease_left: left(step.expires_at),
+        attempt_left: left(step.attempt_deadline),
+        workflow_left: step.workflow_deadline.map(left),
+        final_grace: step.policy.final_grace,
+    }
+}

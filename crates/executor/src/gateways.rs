@@ -1,0 +1,91 @@
+//! Finding a gateway for an adapter through the NATS registry, with cached channels.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use tokio::sync::Mutex;
+use tonic::transport::{Channel, Endpoint};
+use z29c_bus::{Bus, GatewayRecord};
+use z29c_core::AdapterCapability;
+use z29c_proto::v1::adapter_gateway_client::AdapterGatewayClient;
+
+const REFRESH: Duration = Duration::from_secs(2);
+
+#[derive(Debug, Clone)]
+pub struct Gateways {
+    bus: Bus,
+    inner: Arc<Mutex<Cache>>,
+    next: Arc<AtomicUsize>,
+}
+
+#[derive(Debug, Default)]
+struct Cache {
+    records: Vec<GatewayRecord>,
+    fetched: Option<Instant>,
+    channels: HashMap<String, Channel>,
+}
+
+/// A gateway chosen for one call.
+#[derive(Debug, Clone)]
+pub struct Chosen {
+    pub client: AdapterGatewayClient<Channel>,
+    pub gateway: String,
+    pub capability: AdapterCapability,
+}
+
+impl Gateways {
+    pub fn new(bus: Bus) -> Self {
+        Self {
+            bus,
+            inner: Arc::default(),
+            next: Arc::default(),
+        }
+    }
+
+    /// A gateway serving `adapter`, round-robin across the registered instances.
+    pub async fn for_adapter(&self, adapter: &str) -> Option<Chosen> {
+        let mut cache = self.inner.lock().await;
+        if cache.fetched.is_none_or(|t| t.elapsed() > REFRESH) || cache.records.is_empty() {
+            match self.bus.gateways().await {
+                Ok(records) => {
+                    cache.records = records;
+                    cache.fetched = Some(Instant::now());
+                }
+                Err(e) => tracing::warn!(error = %e, "gateway registry unavailable"),
+            }
+        }
+        let serving: Vec<(String, String, AdapterCapability)> = cache
+            .records
+            .iter()
+            .filter_map(|g| {
+                g.adapters
+                    .iter()
+                    .find(|a| a.name == adapter)
+                    .map(|a| (g.id.clone(), g.endpoint.clone(), a.capability))
+            })
+            .collect();
+        if serving.is_empty() {
+            return None;
+        }
+        let (id, endpoint, capability) =
+            serving[self.next.fetch_add(1, Ordering::Relaxed) % serving.len()].clone();
+        let channel = match cache.channels.get(&endpoint) {
+            Some(c) => c.clone(),
+            None => {
+                let c = Endpoint::from_shared(endpoint.clone())
+                    .ok()?
+                    .connect_timeout(Duration::from_secs(2))
+                    .connect_lazy();
+                cache.channels.insert(endpoint, c.clone());
+                c
+            }
+        };
+        Some(Chosen {
+            client: AdapterGatewayClient::new(channel),
+            gateway: id,
+            capability,
+        })
+    }
+}

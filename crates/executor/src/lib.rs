@@ -1,0 +1,146 @@
+//! The executor: a bounded pool of workers that claim ready steps and run the attempt protocol
+//! of DESIGN.md §5 under fenced leases.
+//!
+//! Work is found by polling PostgreSQL; JetStream `step.ready` hints only wake the pool early,
+//! so a lost message delays work and a duplicate changes nothing. Each attempt persists its
+//! request identity, commits *invocation began*, calls a gateway with a deadline that ends
+//! before the lease and the attempt do, renews beside the call, and commits the receipt — or,
+//! when fenced, keeps what it saw as late evidence. On shutdown it stops claiming, gives back
+//! steps whose invocation has not begun, and lets calls in flight finish within a grace period.
+//!
+//! # Layout
+//! - [`config`]: executor configuration.
+//! - [`gateways`]: finding gateways through the registry.
+//! - [`attempt`]: one attempt, checkpoint by checkpoint.
+
+pub mod attempt;
+pub mod config;
+pub mod gateways;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use futures::StreamExt;
+use tokio::sync::{Notify, Semaphore};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use z29c_bus::{Bus, Topic};
+use z29c_core::OwnerId;
+use z29c_store::Store;
+
+pub use config::ExecutorConfig;
+
+/// Runs the executor until `shutdown` is cancelled, then drains within the grace period.
+pub async fn run(config: ExecutorConfig, shutdown: CancellationToken) -> anyhow::Result<()> {
+    let owner = OwnerId::parse(config.id.clone()).context("executor id")?;
+    let store = Store::connect(&config.database_url, config.max_connections)
+        .await
+        .context("connect to PostgreSQL")?;
+    let bus = Bus::connect(&config.nats_url, &config.prefix)
+        .await
+        .context("connect to NATS")?;
+    let gateways = gateways::Gateways::new(bus.clone());
+    let wake = Arc::new(Notify::new());
+    let hints = tokio::spawn(listen_for_hints(
+        bus.clone(),
+        wake.clone(),
+        shutdown.clone(),
+    ));
+
+    let slots = Arc::new(Semaphore::new(config.workers));
+    let tracker = TaskTracker::new();
+    let attempts_token = CancellationToken::new();
+    let poll = Duration::from_millis(config.poll_ms);
+    tracing::info!(id = %owner, workers = config.workers, "executor started");
+    while !shutdown.is_cancelled() {
+        let free = slots.available_permits();
+        if free > 0 {
+            match store
+                .claim(&owner, free.min(config.claim_batch) as i64)
+                .await
+            {
+                Ok(claimed) => {
+                    let n = claimed.len();
+                    for step in claimed {
+                        let slot = slots.clone().acquire_owned().await?;
+                        let ctx = attempt::Context {
+                            store: store.clone(),
+                            gateways: gateways.clone(),
+                            stop: attempts_token.clone(),
+                        };
+                        tracker.spawn(async move {
+                            attempt::run(ctx, step).await;
+                            drop(slot);
+                        });
+                    }
+                    if n == free.min(config.claim_batch) {
+                        continue; // more may be waiting: claim again at once
+                    }
+                }
+                Err(e) => tracing::warn!(error = %e, "claim failed"),
+            }
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => break,
+            _ = wake.notified() => {}
+            _ = tokio::time::sleep(poll) => {}
+        }
+    }
+    tracing::info!(in_flight = tracker.len(), "executor draining");
+    attempts_token.cancel();
+    tracker.close();
+    if tokio::time::timeout(
+        Duration::from_millis(config.shutdown_grace_ms),
+        tracker.wait(),
+    )
+    .await
+    .is_err()
+    {
+        tracing::warn!(
+            left = tracker.len(),
+            "grace period over; leases left will expire into recovery"
+        );
+    }
+    hints.abort();
+    Ok(())
+}
+
+/// Wakes the pool on `step.ready` hints. Hints are acknowledged at once: they carry no truth.
+async fn listen_for_hints(bus: Bus, wake: Arc<Notify>, shutdown: CancellationToken) {
+    let consumer = match bus
+        .pull_consumer("executors", Topic::StepReady, Duration::from_secs(5), 3)
+        .await
+    {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::warn!(error = %e, "no step.ready consumer; polling only");
+            return;
+        }
+    };
+    loop {
+        let mut messages = match consumer.messages().await {
+            Ok(m) => m,
+            Err(e) => {
+                tracing::warn!(error = %e, "step.ready stream failed; retrying");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                continue;
+            }
+        };
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                next = messages.next() => match next {
+                    Some(Ok(msg)) => {
+                        let _ = msg.ack().await;
+                        wake.notify_one();
+                    }
+                    Some(Err(e)) => {
+                        tracing::debug!(error = %e, "hint error");
+                    }
+                    None => break,
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,95 @@
+//! Plumbing every z29c service shares, so each `main` stays short: configuration layering
+//! (defaults → file → `Z29C_…` environment, `__` for nesting), signal handling (first signal
+//! drains, second exits at once), tracing set-up, and the one mapping from store errors to
+//! `tonic::Status`.
+
+use std::path::Path;
+
+use figment::Figment;
+use figment::providers::{Env, Format, Serialized, Toml};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use tokio_util::sync::CancellationToken;
+use z29c_store::StoreError;
+
+/// Loads a service's configuration: its defaults, then `file` (TOML) if given, then environment
+/// variables `Z29C_<FIELD>` (nested fields with `__`, e.g. `Z29C_DATABASE_URL`).
+pub fn load_config<T>(file: Option<&Path>) -> anyhow::Result<T>
+where
+    T: Serialize + DeserializeOwned + Default,
+{
+    let mut figment = Figment::from(Serialized::defaults(T::default()));
+    if let Some(file) = file {
+        figment = figment.merge(Toml::file_exact(file));
+    }
+    figment = figment.merge(Env::prefixed("Z29C_").split("__"));
+    Ok(figment.extract()?)
+}
+
+/// A token cancelled on the first SIGINT or SIGTERM; a second signal exits the process at once.
+pub fn shutdown_token() -> CancellationToken {
+    let token = CancellationToken::new();
+    let t = token.clone();
+    tokio::spawn(async move {
+        wait_for_signal().await;
+        tracing::info!("shutdown requested, draining (signal again to exit now)");
+        t.cancel();
+        wait_for_signal().await;
+        tracing::warn!("second signal, exiting now");
+        std::process::exit(130);
+    });
+    token
+}
+
+async fn wait_for_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        let mut term = match signal(SignalKind::terminate()) {
+            Ok(s) => s,
+            Err(_) => return std::future::pending().await,
+        };
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}
+
+/// Logs to stderr, filtered by `RUST_LOG` (default `info`); JSON when `Z29C_LOG_JSON=1`.
+pub fn init_tracing() {
+    use tracing_subscriber::EnvFilter;
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let json = std::env::var("Z29C_LOG_JSON").is_ok_and(|v| v == "1");
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    let _ = if json {
+        builder.json().try_init()
+    } else {
+        builder.try_init()
+    };
+}
+
+/// The one mapping from store errors to gRPC statuses.
+pub fn status_from_store(e: StoreError) -> tonic::Status {
+    use tonic::Status;
+    match e {
+        StoreError::Invalid { field, reason } => {
+            Status::invalid_argument(format!("{field}: {reason}"))
+        }
+        StoreError::NotFound { what } => Status::not_found(format!("{what} not found")),
+        StoreError::Conflict(msg) => Status::failed_precondition(msg),
+        StoreError::Fenced(reason) => Status::failed_precondition(format!("fenced: {reason}")),
+        StoreError::PermitsExhausted { .. } => Status::resource_exhausted(e.to_string()),
+        StoreError::Transient(_) => Status::unavailable(e.to_string()),
+        other => {
+            tracing::error!(error = %other, "store error");
+            Status::internal("internal error")
+        }
+    }
+}

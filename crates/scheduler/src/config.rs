@@ -1,0 +1,52 @@
+//! Scheduler configuration.
+
+use std::net::SocketAddr;
+
+use serde::{Deserialize, Serialize};
+use z29c_core::PlatformBounds;
+use z29c_store::workflows::SubmitLimits;
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default)]
+pub struct SchedulerConfig {
+    pub id: String,
+    pub listen: SocketAddr,
+    pub database_url: String,
+    pub max_connections: u32,
+    pub nats_url: String,
+    pub prefix: String,
+    /// Apply migrations at start (under an advisory lock, so several instances may).
+    pub migrate: bool,
+    pub max_steps: usize,
+    pub max_input_bytes: usize,
+    pub max_request_bytes: usize,
+    pub bounds: PlatformBounds,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        Self {
+            id: "scheduler-1".into(),
+            listen: "127.0.0.1:50051".parse().expect("literal address"),
+            database_url: "postgres://postgres:postgres@127.0.0.1:5432/z29c".into(),
+            max_connections: 10,
+            nats_url: "nats://127.0.0.1:4222".into(),
+            prefix: "z29c".into(),
+            migrate: true,
+            max_steps: 1_000,
+            max_input_bytes: 64 * 1024,
+            max_request_bytes: 4 * 1024 * 1024,
+            bounds: PlatformBounds::default(),
+        }
+    }
+}
+
+impl SchedulerConfig {
+    pub fn limits(&self) -> SubmitLimits {
+        SubmitLimits {
+            max_steps: self.max_steps,
+            max_input_bytes: self.max_input_bytes,
+            bounds: self.bounds,
+        }
+    }
+}

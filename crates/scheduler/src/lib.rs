@@ -1,0 +1,72 @@
+//! The scheduler: the public `WorkflowService` (submit, get, list, cancel, watch), workflow
+//! deadlines, and the outbox relay that publishes what PostgreSQL committed to JetStream.
+//!
+//! Dependents are released inside the receipt's own transaction (`z29c-store`), and
+//! rate-limited steps become claimable at `next_eligible_at` by the claim query itself, so no
+//! scheduler tick stands between a receipt and the next step.
+//!
+//! # Layout
+//! - [`config`]: scheduler configuration.
+//! - [`service`]: the gRPC service and its mapping to and from the wire.
+//! - [`relay`]: the outbox relay and the deadline sweep.
+
+pub mod config;
+pub mod relay;
+pub mod service;
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use anyhow::Context;
+use tokio_util::sync::CancellationToken;
+use z29c_bus::Bus;
+use z29c_proto::v1::workflow_service_server::WorkflowServiceServer;
+use z29c_store::Store;
+
+pub use config::SchedulerConfig;
+
+/// Runs the scheduler until `shutdown` is cancelled. `ready` receives the listening address.
+pub async fn run(
+    config: SchedulerConfig,
+    shutdown: CancellationToken,
+    ready: Option<tokio::sync::oneshot::Sender<SocketAddr>>,
+) -> anyhow::Result<()> {
+    let store = Store::connect(&config.database_url, config.max_connections)
+        .await
+        .context("connect to PostgreSQL")?;
+    if config.migrate {
+        store.migrate().await.context("apply migrations")?;
+    }
+    let bus = Bus::connect(&config.nats_url, &config.prefix)
+        .await
+        .context("connect to NATS")?;
+    let listener = tokio::net::TcpListener::bind(config.listen)
+        .await
+        .with_context(|| format!("bind {}", config.listen))?;
+    let addr = listener.local_addr()?;
+    let relay = tokio::spawn(relay::relay(
+        store.clone(),
+        bus.clone(),
+        config.id.clone(),
+        shutdown.clone(),
+    ));
+    let sweep = tokio::spawn(relay::deadline_sweep(store.clone(), shutdown.clone()));
+    let service = service::Workflows::new(store, bus, config.limits());
+    tracing::info!(%addr, "scheduler listening");
+    if let Some(ready) = ready {
+        let _ = ready.send(addr);
+    }
+    tonic::transport::Server::builder()
+        .timeout(Duration::from_secs(30))
+        .add_service(
+            WorkflowServiceServer::new(service).max_decoding_message_size(config.max_request_bytes),
+        )
+        .serve_with_incoming_shutdown(
+            tokio_stream::wrappers::TcpListenerStream::new(listener),
+            shutdown.cancelled(),
+        )
+        .await?;
+    let _ = relay.await;
+    let _ = sweep.await;
+    Ok(())
+}

@@ -1,0 +1,126 @@
+//! The outbox relay and the workflow-deadline sweep.
+
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+use z29c_bus::wire::{self, envelope::Body};
+use z29c_bus::{Bus, Topic};
+use z29c_core::OwnerId;
+use z29c_store::Store;
+use z29c_store::outbox::OutboxMessage;
+
+/// Publishes committed outbox messages with `Nats-Msg-Id`, then marks them sent. A relay that
+/// dies between the two leaves its claim to expire; the next publish is a JetStream duplicate.
+pub async fn relay(store: Store, bus: Bus, id: String, shutdown: CancellationToken) {
+    let Ok(owner) = OwnerId::parse(format!("{id}-relay")) else {
+        tracing::error!(%id, "relay id is not a valid owner name");
+        return;
+    };
+    while !shutdown.is_cancelled() {
+        let batch = match store
+            .claim_outbox(&owner, 200, Duration::from_secs(30))
+            .await
+        {
+            Ok(b) => b,
+            Err(e) => {
+                tracing::warn!(error = %e, "outbox claim failed");
+                pause(&shutdown, Duration::from_secs(1)).await;
+                continue;
+            }
+        };
+        let mut sent = Vec::with_capacity(batch.len());
+        for msg in &batch {
+            let Some(envelope) = envelope(msg) else {
+                tracing::error!(kind = %msg.kind, id = msg.id, "outbox message of unknown kind; marking sent");
+                sent.push(msg.id);
+                continue;
+            };
+            match bus.publish(&envelope).await {
+                Ok(_) => sent.push(msg.id),
+                Err(e) => {
+                    tracing::warn!(error = %e, "publish failed; the claim will expire and be retried");
+                    break;
+                }
+            }
+        }
+        if !sent.is_empty()
+            && let Err(e) = store.mark_outbox_sent(&sent).await
+        {
+            tracing::warn!(error = %e, "marking outbox sent failed; duplicates will be dropped by msg-id");
+        }
+        if batch.is_empty() {
+            pause(&shutdown, Duration::from_millis(50)).await;
+        }
+    }
+}
+
+async fn pause(shutdown: &CancellationToken, d: Duration) {
+    tokio::select! {
+        _ = shutdown.cancelled() => {}
+        _ = tokio::time::sleep(d) => {}
+    }
+}
+
+/// The wire envelope for an outbox row.
+pub fn envelope(msg: &OutboxMessage) -> Option<wire::Envelope> {
+    let workflow_id = msg.workflow_id.to_string();
+    let step_id = msg.step_id.map(|s| s.to_string()).unwrap_or_default();
+    let text = |k: &str| {
+        msg.payload
+            .get(k)
+            .and_then(serde_json::Value::as_str)
+            .unwrap_or_default()
+            .to_owned()
+    };
+    let body = match Topic::from_outbox_kind(&msg.kind)? {
+        Topic::StepReady => Body::StepReady(wire::StepReady {
+            workflow_id,
+            step_id,
+        }),
+        Topic::StepCompleted => Body::StepCompleted(wire::StepCompleted {
+            workflow_id,
+            step_id,
+            outcome: text("outcome"),
+            verification: text("verification"),
+        }),
+        Topic::LateEvidence => Body::LateEvidence(wire::LateEvidence {
+            workflow_id,
+            step_id,
+            observation_id: text("observation"),
+        }),
+        Topic::WorkflowChanged => Body::WorkflowChanged(wire::WorkflowChanged {
+            workflow_id,
+            state: text("state"),
+        }),
+    };
+    Some(wire::Envelope {
+        msg_id: msg.msg_id.clone(),
+        created_at: Some(prost_types::Timestamp {
+            seconds: msg.created_at.timestamp(),
+            nanos: msg.created_at.timestamp_subsec_nanos() as i32,
+        }),
+        body: Some(body),
+    })
+}
+
+/// Cancels running workflows whose deadline passed: their outcome is no longer useful.
+pub async fn deadline_sweep(store: Store, shutdown: CancellationToken) {
+    while !shutdown.is_cancelled() {
+        match store.overdue_workflows(100).await {
+            Ok(ids) => {
+                for id in ids {
+                    match store.cancel_workflow(id, "workflow deadline passed").await {
+                        Ok(_) => {
+                            tracing::info!(workflow = %id, "workflow deadline passed; cancelled")
+                        }
+                        Err(e) => {
+                            tracing::warn!(workflow = %id, error = %e, "deadline cancel failed")
+                        }
+                    }
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "deadline sweep failed"),
+        }
+        pause(&shutdown, Duration::from_millis(500)).await;
+    }
+}

@@ -1,0 +1,378 @@
+//! `WorkflowService`: validation with the field named, and answers in product states with the
+//! lease history kept under technical details.
+
+use std::pin::Pin;
+use std::time::Duration;
+
+use tokio_stream::Stream;
+use tonic::{Request, Response, Status};
+use z29c_bus::Bus;
+use z29c_core::{ClientKey, LeasePolicy, ProductState, StepName, WorkflowId};
+use z29c_proto::v1::workflow_service_server::WorkflowService;
+use z29c_proto::v1::{self as pb};
+use z29c_runtime::status_from_store;
+use z29c_store::Store;
+use z29c_store::workflows::{NewStep, NewWorkflow, StepDetail, SubmitLimits, WorkflowDetail};
+
+#[derive(Debug, Clone)]
+pub struct Workflows {
+    store: Store,
+    bus: Bus,
+    limits: SubmitLimits,
+}
+
+impl Workflows {
+    pub fn new(store: Store, bus: Bus, limits: SubmitLimits) -> Self {
+        Self { store, bus, limits }
+    }
+}
+
+fn invalid(field: impl std::fmt::Display, reason: impl std::fmt::Display) -> Status {
+    Status::invalid_argument(format!("{field}: {reason}"))
+}
+
+fn timestamp(t: chrono::DateTime<chrono::Utc>) -> prost_types::Timestamp {
+    prost_types::Timestamp {
+        seconds: t.timestamp(),
+        nanos: t.timestamp_subsec_nanos() as i32,
+    }
+}
+
+pub fn product_to_wire(p: ProductState) -> pb::ProductState {
+    match p {
+        ProductState::Preparing => pb::ProductState::Preparing,
+        ProductState::WaitingOnExternalService => pb::ProductState::WaitingOnExternalService,
+        ProductState::RecoveringExecution => pb::ProductState::RecoveringExecution,
+        ProductState::NeedsReview => pb::ProductState::NeedsReview,
+        ProductState::Completed => pb::ProductState::Completed,
+        ProductState::Failed => pb::ProductState::Failed,
+        ProductState::Cancelled => pb::ProductState::Cancelled,
+    }
+}
+
+fn policy_from_wire(p: Option<pb::LeasePolicy>) -> LeasePolicy {
+    let d = LeasePolicy::default();
+    let Some(p) = p else { return d };
+    let ms = |v: u64, default: Duration| {
+        if v == 0 {
+            default
+        } else {
+            Duration::from_millis(v)
+        }
+    };
+    LeasePolicy {
+        lease: ms(p.lease_ms, d.lease),
+        renew_every: ms(p.renew_every_ms, d.renew_every),
+        attempt_deadline: ms(p.attempt_deadline_ms, d.attempt_deadline),
+        progress_observable: p.progress_observable,
+        final_grace: ms(p.final_grace_ms, d.final_grace),
+        adapter_timeout: ms(p.adapter_timeout_ms, d.adapter_timeout),
+        max_attempts: if p.max_attempts == 0 {
+            d.max_attempts
+        } else {
+            p.max_attempts
+        },
+    }
+}
+
+/// Turns a submission into the store's form, naming the first bad field.
+pub fn new_workflow(req: pb::SubmitRequest) -> Result<NewWorkflow, Status> {
+    let client_key =
+        ClientKey::parse(req.client_key).map_err(|e| invalid("client_key", e.reason))?;
+    let mut steps = Vec::with_capacity(req.steps.len());
+    for (i, s) in req.steps.into_iter().enumerate() {
+        let name =
+            StepName::parse(s.name).map_err(|e| invalid(format!("steps[{i}].name"), e.reason))?;
+        let input = if s.input_json.trim().is_empty() {
+            serde_json::Value::Object(Default::default())
+        } else {
+            serde_json::from_str(&s.input_json)
+                .map_err(|e| invalid(format!("steps[{i}].input_json"), e))?
+        };
+        let depends_on = s
+            .depends_on
+            .into_iter()
+            .enumerate()
+            .map(|(j, d)| {
+                StepName::parse(d)
+                    .map_err(|e| invalid(format!("steps[{i}].depends_on[{j}]"), e.reason))
+            })
+            .collect::<Result<_, _>>()?;
+        steps.push(NewStep {
+            name,
+            adapter: s.adapter,
+            operation: s.operation,
+            input,
+            depends_on,
+            policy: policy_from_wire(s.policy),
+        });
+    }
+    let deadline = req
+        .deadline
+        .map(|t| {
+            chrono::DateTime::from_timestamp(t.seconds, t.nanos.max(0) as u32)
+                .ok_or_else(|| invalid("deadline", "out of range"))
+        })
+        .transpose()?;
+    Ok(NewWorkflow {
+        client_key,
+        name: req.name,
+        deadline,
+        steps,
+    })
+}
+
+pub fn step_to_wire(s: &StepDetail, events: Vec<pb::StepEvent>) -> pb::Step {
+    let product = s.product_state();
+    pb::Step {
+        id: s.id.to_string(),
+        name: s.name.clone(),
+        adapter: s.adapter.clone(),
+        operation: s.operation.clone(),
+        state: product_to_wire(product) as i32,
+        state_label: product.label().into(),
+        receipt: s.receipt.as_ref().map(|r| pb::Receipt {
+            request_identity: r.request_identity.clone(),
+            external_reference: r.external_reference.clone().unwrap_or_default(),
+            outcome: r.outcome.to_string(),
+            verification: match r.verification {
+                z29c_core::Verification::Direct => pb::Verification::Direct,
+                z29c_core::Verification::StatusQuery => pb::Verification::StatusQuery,
+                z29c_core::Verification::LateEvidence => pb::Verification::LateEvidence,
+                z29c_core::Verification::Manual => pb::Verification::Manual,
+            } as i32,
+            input_digest: r.input_digest.clone(),
+            adapter: r.adapter.clone(),
+            adapter_version: r.adapter_version.clone(),
+            committed_at: Some(timestamp(r.committed_at)),
+        }),
+        technical: Some(pb::TechnicalDetails {
+            step_state: s.state.to_string(),
+            lease_version: s.lease_version.get(),
+            lease_owner: s.lease_owner.clone().unwrap_or_default(),
+            lease_expires_at: s.lease_expires_at.map(timestamp),
+            checkpoint: s.checkpoint.map(|c| c.to_string()).unwrap_or_default(),
+            attempts: u32::try_from(s.attempts_made).unwrap_or(0),
+            events,
+        }),
+    }
+}
+
+pub fn workflow_to_wire(w: &WorkflowDetail, steps: Vec<pb::Step>) -> pb::Workflow {
+    let product = w.product_state();
+    pb::Workflow {
+        id: w.id.to_string(),
+        client_key: w.client_key.clone(),
+        name: w.name.clone(),
+        state: product_to_wire(product) as i32,
+        state_label: product.label().into(),
+        steps,
+        created_at: Some(timestamp(w.created_at)),
+        deadline: w.deadline.map(timestamp),
+    }
+}
+
+fn parse_id(field: &str, s: &str) -> Result<WorkflowId, Status> {
+    s.parse()
+        .map_err(|e: z29c_core::ParseError| invalid(field, e.reason))
+}
+
+impl Workflows {
+    async fn detail(&self, id: WorkflowId, with_events: bool) -> Result<pb::Workflow, Status> {
+        let w = self.store.workflow(id).await.map_err(status_from_store)?;
+        let mut steps = Vec::with_capacity(w.steps.len());
+        for s in &w.steps {
+            let events = if with_events {
+                self.store
+                    .step_events(s.id)
+                    .await
+                    .map_err(status_from_store)?
+                    .into_iter()
+                    .map(|e| pb::StepEvent {
+                        kind: e.kind,
+                        lease_version: e.lease_version,
+                        attempt_id: e.attempt_id.map(|a| a.to_string()).unwrap_or_default(),
+                        detail_json: e.detail.to_string(),
+                        at: Some(timestamp(e.at)),
+                    })
+                    .collect()
+            } else {
+                Vec::new()
+            };
+            steps.push(step_to_wire(s, events));
+        }
+        Ok(workflow_to_wire(&w, steps))
+    }
+}
+
+type WatchStream = Pin<Box<dyn Stream<Item = Result<pb::WorkflowEvent, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl WorkflowService for Workflows {
+    async fn submit(
+        &self,
+        request: Request<pb::SubmitRequest>,
+    ) -> Result<Response<pb::SubmitResponse>, Status> {
+        let wf = new_workflow(request.into_inner())?;
+        // unknown adapters are refused when the registry can say what is served
+        if let Ok(gateways) = self.bus.gateways().await
+            && !gateways.is_empty()
+        {
+            for (i, s) in wf.steps.iter().enumerate() {
+                let served = gateways
+                    .iter()
+                    .any(|g| g.adapters.iter().any(|a| a.name == s.adapter));
+                if !served {
+                    return Err(invalid(
+                        format!("steps[{i}].adapter"),
+                        format!("no gateway serves adapter {:?}", s.adapter),
+                    ));
+                }
+            }
+        }
+        let submitted = self
+            .store
+            .submit_workflow(&wf, &self.limits)
+            .await
+            .map_err(status_from_store)?;
+        tracing::info!(workflow = %submitted.workflow, created = submitted.created, steps = wf.steps.len(), "workflow submitted");
+        Ok(Response::new(pb::SubmitResponse {
+            workflow: Some(self.detail(submitted.workflow, false).await?),
+            created: submitted.created,
+        }))
+    }
+
+    async fn get(
+        &self,
+        request: Request<pb::GetRequest>,
+    ) -> Result<Response<pb::Workflow>, Status> {
+        let id = parse_id("workflow_id", &request.into_inner().workflow_id)?;
+        Ok(Response::new(self.detail(id, true).await?))
+    }
+
+    async fn list(
+        &self,
+        request: Request<pb::ListRequest>,
+    ) -> Result<Response<pb::ListResponse>, Status> {
+        let req = request.into_inner();
+        let size = if req.page_size == 0 {
+            50
+        } else {
+            req.page_size.min(500)
+        } as i64;
+        let before = if req.page_token.is_empty() {
+            None
+        } else {
+            Some(parse_id("page_token", &req.page_token)?)
+        };
+        let list = self
+            .store
+            .list_workflows(size, before)
+            .await
+            .map_err(status_from_store)?;
+        let next_page_token = if list.len() as i64 == size {
+            list.last().map(|w| w.id.to_string()).unwrap_or_default()
+        } else {
+            String::new()
+        };
+        let workflows = list
+            .iter()
+            .map(|w| workflow_to_wire(w, w.steps.iter().map(|s| step_to_wire(s, vec![])).collect()))
+            .collect();
+        Ok(Response::new(pb::ListResponse {
+            workflows,
+            next_page_token,
+        }))
+    }
+
+    async fn cancel(
+        &self,
+        request: Request<pb::CancelRequest>,
+    ) -> Result<Response<pb::Workflow>, Status> {
+        let req = request.into_inner();
+        let id = parse_id("workflow_id", &req.workflow_id)?;
+        let reason = if req.reason.trim().is_empty() {
+            "cancelled by request".to_owned()
+        } else {
+            req.reason
+        };
+        self.store
+            .cancel_workflow(id, &reason)
+            .await
+            .map_err(status_from_store)?;
+        Ok(Response::new(self.detail(id, false).await?))
+    }
+
+    type WatchStream = WatchStream;
+
+    async fn watch(
+        &self,
+        request: Request<pb::WatchRequest>,
+    ) -> Result<Response<Self::WatchStream>, Status> {
+        let id = parse_id("workflow_id", &request.into_inner().workflow_id)?;
+        // fail fast on an unknown workflow
+        self.store.workflow(id).await.map_err(status_from_store)?;
+        let store = self.store.clone();
+        let (tx, rx) = tokio::sync::mpsc::channel(64);
+        tokio::spawn(async move {
+            let mut last: Option<(ProductState, Vec<ProductState>)> = None;
+            loop {
+                let w = match store.workflow(id).await {
+                    Ok(w) => w,
+                    Err(e) => {
+                        let _ = tx.send(Err(status_from_store(e))).await;
+                        return;
+                    }
+                };
+                let now = (
+                    w.product_state(),
+                    w.steps
+                        .iter()
+                        .map(StepDetail::product_state)
+                        .collect::<Vec<_>>(),
+                );
+                if last.as_ref() != Some(&now) {
+                    // one event per step whose product state changed, then the workflow's own
+                    let mut events: Vec<(String, i32)> = w
+                        .steps
+                        .iter()
+                        .enumerate()
+                        .filter(|(i, _)| {
+                            last.as_ref()
+                                .is_none_or(|(_, prev)| prev.get(*i) != Some(&now.1[*i]))
+                        })
+                        .map(|(i, s)| (s.name.clone(), product_to_wire(now.1[i]) as i32))
+                        .collect();
+                    if events.is_empty() {
+                        events.push((String::new(), 0));
+                    }
+                    for (step_name, step_state) in events {
+                        let event = pb::WorkflowEvent {
+                            workflow_id: id.to_string(),
+                            state: product_to_wire(now.0) as i32,
+                            state_label: now.0.label().into(),
+                            step_name,
+                            step_state,
+                            at: Some(timestamp(chrono::Utc::now())),
+                        };
+                        if tx.send(Ok(event)).await.is_err() {
+                            return;
+                        }
+                    }
+                    last = Some(now);
+                }
+                let finished = matches!(
+                    w.product_state(),
+                    ProductState::Completed | ProductState::Failed | ProductState::Cancelled
+                );
+                if finished {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        });
+        Ok(Response::new(Box::pin(
+            tokio_stream::wrappers::ReceiverStream::new(rx),
+        )))
+    }
+}
