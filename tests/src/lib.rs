@@ -72,3 +72,5 @@ impl TestDatabase {
         Ok(())
     }
 }
+
+pub mod cluster;

@@ -233,6 +233,18 @@ impl Bus {
             .map_err(nats)
     }
 
+    /// Drops every message in the event stream (tests: lost hints).
+    pub async fn purge(&self) -> Result<()> {
+        self.js
+            .get_stream(self.names.stream())
+            .await
+            .map_err(nats)?
+            .purge()
+            .await
+            .map_err(nats)?;
+        Ok(())
+    }
+
     /// Deletes the streams and everything in them (tests and teardown).
     pub async fn delete_stream(&self) -> Result<()> {
         self.js

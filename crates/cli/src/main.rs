@@ -48,6 +48,13 @@ enum Command {
         #[arg(long, env = "Z29C_DATABASE_URL")]
         database_url: String,
     },
+    /// Run the synthetic destination (the demo's and the tests' outside world).
+    Destination {
+        #[arg(long, env = "Z29C_LISTEN", default_value = "127.0.0.1:8080")]
+        listen: std::net::SocketAddr,
+        #[arg(long, env = "Z29C_DATABASE_URL")]
+        database_url: String,
+    },
     /// Run the scheduler.
     Scheduler(ServiceArgs),
     /// Run an executor.
@@ -101,6 +108,20 @@ async fn main() -> anyhow::Result<()> {
                 .migrate()
                 .await?;
             tracing::info!("migrations applied");
+            Ok(())
+        }
+        Command::Destination {
+            listen,
+            database_url,
+        } => {
+            let pool = sqlx::PgPool::connect(&database_url).await?;
+            let destination = z29c_destination::Destination::install(pool).await?;
+            let listener = tokio::net::TcpListener::bind(listen).await?;
+            tracing::info!(addr = %listener.local_addr()?, "destination listening");
+            let token = z29c_runtime::shutdown_token();
+            axum::serve(listener, destination.router())
+                .with_graceful_shutdown(token.cancelled_owned())
+                .await?;
             Ok(())
         }
         Command::Scheduler(args) => match config(&args)? {

@@ -1,0 +1,326 @@
+//! Real z29c processes for scenario tests: the destination, gateways, executors and the
+//! scheduler, each its own `z29c` process on loopback, on a database and a NATS prefix of the
+//! test's own. Processes can be killed (SIGKILL) or stopped (SIGTERM) like in production.
+
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use tokio::process::{Child, Command};
+use z29c_proto::v1::workflow_service_client::WorkflowServiceClient;
+use z29c_proto::v1::{self as pb};
+
+use crate::TestDatabase;
+
+/// The `z29c` binary built alongside the tests (`target/<profile>/z29c`).
+pub fn z29c_binary() -> Result<PathBuf> {
+    let exe = std::env::current_exe()?;
+    let dir = exe
+        .parent()
+        .and_then(|d| {
+            if d.ends_with("deps") {
+                d.parent()
+            } else {
+                Some(d)
+            }
+        })
+        .context("test binary location")?;
+    let bin = dir.join("z29c");
+    if !bin.exists() {
+        bail!(
+            "{} is missing: build it with `cargo build -p z29c-cli`",
+            bin.display()
+        );
+    }
+    Ok(bin)
+}
+
+pub fn nats_url() -> String {
+    std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into())
+}
+
+fn free_port() -> Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+/// One running service process.
+#[derive(Debug)]
+pub struct Process {
+    pub name: String,
+    child: Child,
+}
+
+impl Process {
+    fn pid(&self) -> Option<i32> {
+        self.child.id().map(|p| p as i32)
+    }
+
+    fn signal(&self, sig: &str) -> Result<()> {
+        let pid = self.pid().context("process already gone")?;
+        let status = std::process::Command::new("kill")
+            .args([sig, &pid.to_string()])
+            .status()?;
+        if !status.success() {
+            bail!("kill {sig} {pid} failed");
+        }
+        Ok(())
+    }
+
+    /// SIGKILL: no goodbye.
+    pub async fn kill(&mut self) -> Result<()> {
+        self.signal("-KILL")?;
+        self.child.wait().await?;
+        Ok(())
+    }
+
+    /// SIGTERM, then wait up to `within` for a clean exit.
+    pub async fn terminate(&mut self, within: Duration) -> Result<std::process::ExitStatus> {
+        self.signal("-TERM")?;
+        tokio::time::timeout(within, self.child.wait())
+            .await
+            .with_context(|| format!("{} did not exit within {within:?}", self.name))?
+            .map_err(Into::into)
+    }
+}
+
+/// A z29c deployment of separate processes for one test.
+#[derive(Debug)]
+pub struct Cluster {
+    pub db: TestDatabase,
+    pub prefix: String,
+    pub scheduler_url: String,
+    pub destination_url: String,
+    pub processes: Vec<Process>,
+    dir: PathBuf,
+    bin: PathBuf,
+    gateways: usize,
+    executors: usize,
+}
+
+impl Cluster {
+    /// Starts the destination, `gateways` gateways, `executors` executors and one scheduler.
+    pub async fn start(gateways: usize, executors: usize, permit_limit: u32) -> Result<Self> {
+        let bin = z29c_binary()?;
+        let db = TestDatabase::create().await?;
+        let prefix = format!("s{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
+        let dir = std::env::temp_dir().join(format!("z29c-{prefix}"));
+        std::fs::create_dir_all(&dir)?;
+        // migrate once before anything starts
+        db.store().await?;
+        let destination_port = free_port()?;
+        let mut cluster = Self {
+            db,
+            prefix,
+            scheduler_url: String::new(),
+            destination_url: format!("http://127.0.0.1:{destination_port}"),
+            processes: Vec::new(),
+            dir,
+            bin,
+            gateways: 0,
+            executors: 0,
+        };
+        let dest = cluster.spawn(
+            "destination",
+            &["destination"],
+            &[("Z29C_LISTEN", format!("127.0.0.1:{destination_port}"))],
+        )?;
+        cluster.processes.push(dest);
+        wait_for_port(destination_port).await?;
+        for _ in 0..gateways {
+            cluster.add_gateway(permit_limit).await?;
+        }
+        let port = free_port()?;
+        let sched = cluster.spawn(
+            "scheduler",
+            &["scheduler"],
+            &[("Z29C_LISTEN", format!("127.0.0.1:{port}"))],
+        )?;
+        cluster.processes.push(sched);
+        wait_for_port(port).await?;
+        cluster.scheduler_url = format!("http://127.0.0.1:{port}");
+        for _ in 0..executors {
+            cluster.add_executor().await?;
+        }
+        Ok(cluster)
+    }
+
+    fn spawn(&self, name: &str, args: &[&str], env: &[(&str, String)]) -> Result<Process> {
+        let log = std::fs::File::create(self.dir.join(format!("{name}.log")))?;
+        let mut cmd = Command::new(&self.bin);
+        cmd.args(args)
+            .env("Z29C_DATABASE_URL", self.db.url())
+            .env("Z29C_NATS_URL", nats_url())
+            .env("Z29C_PREFIX", &self.prefix)
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(log)
+            .kill_on_drop(true);
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        Ok(Process {
+            name: name.to_owned(),
+            child: cmd.spawn().with_context(|| format!("start {name}"))?,
+        })
+    }
+
+    /// Starts one more gateway; it registers itself and adds capacity.
+    pub async fn add_gateway(&mut self, permit_limit: u32) -> Result<()> {
+        self.gateways += 1;
+        let port = free_port()?;
+        let config = self.dir.join(format!("gateway-{}.toml", self.gateways));
+        std::fs::write(
+            &config,
+            format!(
+                "[[adapters]]\nname = \"http\"\nversion = \"http/1\"\nbase_url = \"{}\"\n\
+                 capability = \"idempotent\"\ndefault_limit = {permit_limit}\n",
+                self.destination_url
+            ),
+        )?;
+        let name = format!("gateway-{}", self.gateways);
+        let p = self.spawn(
+            &name,
+            &["gateway", "--config", &config.to_string_lossy()],
+            &[
+                ("Z29C_ID", name.clone()),
+                ("Z29C_LISTEN", format!("127.0.0.1:{port}")),
+            ],
+        )?;
+        self.processes.push(p);
+        wait_for_port(port).await
+    }
+
+    /// Starts one more executor.
+    pub async fn add_executor(&mut self) -> Result<()> {
+        self.executors += 1;
+        let name = format!("executor-{}", self.executors);
+        let p = self.spawn(
+            &name,
+            &["executor"],
+            &[
+                ("Z29C_ID", name.clone()),
+                ("Z29C_POLL_MS", "200".into()),
+                ("Z29C_SHUTDOWN_GRACE_MS", "5000".into()),
+            ],
+        )?;
+        self.processes.push(p);
+        Ok(())
+    }
+
+    pub fn process(&mut self, name: &str) -> Option<&mut Process> {
+        self.processes.iter_mut().find(|p| p.name == name)
+    }
+
+    pub async fn client(&self) -> Result<WorkflowServiceClient<tonic::transport::Channel>> {
+        Ok(WorkflowServiceClient::connect(self.scheduler_url.clone()).await?)
+    }
+
+    /// Switches faults on a destination route.
+    pub async fn set_faults(&self, route: &str, faults: serde_json::Value) -> Result<()> {
+        let r = reqwest::Client::new()
+            .put(format!("{}/admin/faults/{route}", self.destination_url))
+            .json(&faults)
+            .send()
+            .await?;
+        if !r.status().is_success() {
+            bail!("setting faults failed: {}", r.status());
+        }
+        Ok(())
+    }
+
+    /// Waits until every listed workflow has ended, or fails after `within`.
+    pub async fn wait_all_ended(&self, ids: &[String], within: Duration) -> Result<()> {
+        let mut client = self.client().await?;
+        let start = Instant::now();
+        let mut pending: Vec<String> = ids.to_vec();
+        while !pending.is_empty() {
+            if start.elapsed() > within {
+                bail!("{} workflows still running after {within:?}", pending.len());
+            }
+            let mut still = Vec::new();
+            for id in pending {
+                let w = client
+                    .get(pb::GetRequest {
+                        workflow_id: id.clone(),
+                    })
+                    .await?
+                    .into_inner();
+                let ended = matches!(
+                    w.state(),
+                    pb::ProductState::Completed
+                        | pb::ProductState::Failed
+                        | pb::ProductState::Cancelled
+                        | pb::ProductState::NeedsReview
+                );
+                if !ended {
+                    still.push(id);
+                }
+            }
+            pending = still;
+            if !pending.is_empty() {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+        Ok(())
+    }
+
+    /// Kills every process, drops the database and the NATS streams.
+    pub async fn stop(self) -> Result<()> {
+        let Cluster {
+            db,
+            prefix,
+            mut processes,
+            dir,
+            ..
+        } = self;
+        for p in &mut processes {
+            let _ = p.signal("-KILL");
+            let _ = p.child.wait().await;
+        }
+        if let Ok(bus) = z29c_bus::Bus::connect(&nats_url(), &prefix).await {
+            let _ = bus.delete_stream().await;
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+        db.drop_now().await
+    }
+}
+
+async fn wait_for_port(port: u16) -> Result<()> {
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_secs(20) {
+        if tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .is_ok()
+        {
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    bail!("nothing listened on 127.0.0.1:{port} within 20 s")
+}
+
+/// A workflow of `steps` chained steps on `route`.
+pub fn chain(key: &str, route: &str, steps: usize) -> pb::SubmitRequest {
+    pb::SubmitRequest {
+        client_key: key.to_owned(),
+        name: format!("scenario {key}"),
+        steps: (0..steps)
+            .map(|i| pb::StepDefinition {
+                name: format!("s{i}"),
+                adapter: "http".into(),
+                operation: route.into(),
+                input_json: format!("{{\"n\":{i}}}"),
+                depends_on: if i == 0 {
+                    vec![]
+                } else {
+                    vec![format!("s{}", i - 1)]
+                },
+                policy: None,
+            })
+            .collect(),
+        deadline: None,
+    }
+}

@@ -1,0 +1,330 @@
+//! The running system across real processes: scheduler, executors, gateways and the
+//! destination, each a `z29c` process, on real PostgreSQL and NATS. Invariants are checked from
+//! the database and from the destination's own ledger.
+
+use std::time::Duration;
+
+use anyhow::Result;
+use serde_json::json;
+use sqlx::PgPool;
+use z29c_proto::v1::{self as pb};
+use z29c_scenarios::cluster::{Cluster, chain};
+
+async fn submit(cluster: &Cluster, reqs: Vec<pb::SubmitRequest>) -> Result<Vec<String>> {
+    let mut client = cluster.client().await?;
+    let mut ids = Vec::new();
+    for r in reqs {
+        let w = client.submit(r).await?.into_inner().workflow.unwrap();
+        ids.push(w.id);
+    }
+    Ok(ids)
+}
+
+/// Receipts agree with the destination: every receipt's reference is in its ledger, and no
+/// request identity produced more than one effect.
+async fn check_receipts_against_ledger(pool: &PgPool, expected_receipts: i64) -> Result<()> {
+    let receipts: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM step_receipts WHERE outcome = 'succeeded'")
+            .fetch_one(pool)
+            .await?;
+    assert_eq!(receipts, expected_receipts, "successful receipts");
+    let unmatched: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM step_receipts r
+         WHERE r.outcome = 'succeeded' AND NOT EXISTS (
+             SELECT 1 FROM destination.ledger l
+             WHERE l.reference = r.external_reference AND l.idempotency_key = r.request_identity)",
+    )
+    .fetch_one(pool)
+    .await?;
+    assert_eq!(
+        unmatched, 0,
+        "every receipt names an effect the destination recorded"
+    );
+    let duplicated: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM (SELECT idempotency_key FROM destination.ledger
+                               GROUP BY idempotency_key HAVING count(*) > 1) d",
+    )
+    .fetch_one(pool)
+    .await?;
+    assert_eq!(duplicated, 0, "no request identity had two effects");
+    let double: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM (SELECT step_id FROM step_receipts GROUP BY step_id HAVING count(*) > 1) d",
+    )
+    .fetch_one(pool)
+    .await?;
+    assert_eq!(double, 0, "no step has two receipts");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_three_step_dag_completes_with_receipts_matching_the_ledger() -> Result<()> {
+    let cluster = Cluster::start(1, 1, 16).await?;
+    let pool = cluster.db.pool(2).await?;
+    let ids = submit(&cluster, vec![chain("dag-1", "deliveries", 3)]).await?;
+    cluster
+        .wait_all_ended(&ids, Duration::from_secs(60))
+        .await?;
+    let wf = cluster
+        .client()
+        .await?
+        .get(pb::GetRequest {
+            workflow_id: ids[0].clone(),
+        })
+        .await?
+        .into_inner();
+    assert_eq!(wf.state(), pb::ProductState::Completed);
+    assert!(wf.steps.iter().all(|s| s.receipt.is_some()));
+    check_receipts_against_ledger(&pool, 3).await?;
+    let ledger: i64 = sqlx::query_scalar("SELECT count(*) FROM destination.ledger")
+        .fetch_one(&pool)
+        .await?;
+    assert_eq!(
+        ledger, 3,
+        "the destination saw each request identity exactly once"
+    );
+    pool.close().await;
+    cluster.stop().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_workflows_on_three_executors_and_two_gateways_keep_every_invariant() -> Result<()> {
+    const WORKFLOWS: usize = 500;
+    const LIMIT: i64 = 4;
+    let cluster = Cluster::start(2, 3, LIMIT as u32).await?;
+    let pool = cluster.db.pool(2).await?;
+    let reqs = (0..WORKFLOWS)
+        .map(|i| chain(&format!("bulk-{i}"), "deliveries", 3))
+        .collect();
+    let ids = submit(&cluster, reqs).await?;
+    cluster
+        .wait_all_ended(&ids, Duration::from_secs(300))
+        .await?;
+    let completed: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM workflows WHERE state = 'completed'")
+            .fetch_one(&pool)
+            .await?;
+    assert_eq!(completed, WORKFLOWS as i64);
+    check_receipts_against_ledger(&pool, 3 * WORKFLOWS as i64).await?;
+    // the permit limit, shared by both gateways, was never exceeded at any instant
+    let peak: i64 = sqlx::query_scalar(
+        "SELECT coalesce(max(n), 0) FROM (
+             SELECT (SELECT count(*) FROM adapter_permits q
+                     WHERE q.adapter = p.adapter AND q.operation_class = p.operation_class
+                       AND q.acquired_at <= p.acquired_at
+                       AND least(coalesce(q.released_at, q.expires_at), q.expires_at) > p.acquired_at) AS n
+             FROM adapter_permits p) x",
+    )
+    .fetch_one(&pool)
+    .await?;
+    assert!(
+        (1..=LIMIT).contains(&peak),
+        "peak permits in flight {peak}, limit {LIMIT}"
+    );
+    let gateways: i64 = sqlx::query_scalar("SELECT count(DISTINCT gateway) FROM adapter_permits")
+        .fetch_one(&pool)
+        .await?;
+    assert_eq!(gateways, 2, "both gateways served calls");
+    pool.close().await;
+    cluster.stop().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rate_limited_step_holds_no_lease_while_it_waits() -> Result<()> {
+    let cluster = Cluster::start(1, 1, 16).await?;
+    let pool = cluster.db.pool(2).await?;
+    cluster
+        .set_faults("limited", json!({ "rate_limit_ms": 3000 }))
+        .await?;
+    let ids = submit(&cluster, vec![chain("rl-1", "limited", 1)]).await?;
+    // wait until the destination has refused once
+    let mut waited = 0;
+    loop {
+        let refused: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM step_events WHERE kind = 'rate_limited'")
+                .fetch_one(&pool)
+                .await?;
+        if refused > 0 {
+            break;
+        }
+        waited += 1;
+        assert!(waited < 200, "no rate-limit answer seen");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let (state, owner, waiting): (String, Option<String>, bool) =
+        sqlx::query_as("SELECT state::text, lease_owner, next_eligible_at > now() FROM steps")
+            .fetch_one(&pool)
+            .await?;
+    assert_eq!(state, "ready");
+    assert_eq!(owner, None, "no lease is held while waiting");
+    assert!(waiting, "next_eligible_at is in the future");
+    cluster.set_faults("limited", json!({})).await?;
+    cluster
+        .wait_all_ended(&ids, Duration::from_secs(30))
+        .await?;
+    check_receipts_against_ledger(&pool, 1).await?;
+    let attempts: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM attempts WHERE state = 'released'")
+            .fetch_one(&pool)
+            .await?;
+    assert!(
+        attempts >= 1,
+        "the refused attempt was released, not failed"
+    );
+    pool.close().await;
+    cluster.stop().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancelled_workflow_stops_but_records_the_call_in_flight() -> Result<()> {
+    let cluster = Cluster::start(1, 1, 16).await?;
+    let pool = cluster.db.pool(2).await?;
+    cluster
+        .set_faults("slow", json!({ "delay_ms": 1500 }))
+        .await?;
+    let ids = submit(&cluster, vec![chain("cancel-1", "slow", 2)]).await?;
+    loop {
+        let began: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM attempts WHERE checkpoint >= 'invocation_began'",
+        )
+        .fetch_one(&pool)
+        .await?;
+        if began > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    cluster
+        .client()
+        .await?
+        .cancel(pb::CancelRequest {
+            workflow_id: ids[0].clone(),
+            reason: "changed my mind".into(),
+        })
+        .await?;
+    // the call in flight still gets its outcome recorded
+    let mut tries = 0;
+    loop {
+        let receipts: i64 = sqlx::query_scalar("SELECT count(*) FROM step_receipts")
+            .fetch_one(&pool)
+            .await?;
+        if receipts == 1 {
+            break;
+        }
+        tries += 1;
+        assert!(tries < 200, "the in-flight outcome was not recorded");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let states: Vec<(String, String)> =
+        sqlx::query_as("SELECT name, state::text FROM steps ORDER BY position")
+            .fetch_all(&pool)
+            .await?;
+    assert_eq!(
+        states,
+        [
+            ("s0".into(), "completed".into()),
+            ("s1".into(), "cancelled".into())
+        ]
+    );
+    let wf: String = sqlx::query_scalar("SELECT state::text FROM workflows")
+        .fetch_one(&pool)
+        .await?;
+    assert_eq!(wf, "cancelled");
+    check_receipts_against_ledger(&pool, 1).await?;
+    pool.close().await;
+    cluster.stop().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_to_an_executor_under_load_loses_nothing() -> Result<()> {
+    const WORKFLOWS: usize = 60;
+    let mut cluster = Cluster::start(1, 2, 32).await?;
+    let pool = cluster.db.pool(2).await?;
+    cluster
+        .set_faults("work", json!({ "delay_ms": 100 }))
+        .await?;
+    let reqs = (0..WORKFLOWS)
+        .map(|i| chain(&format!("term-{i}"), "work", 3))
+        .collect();
+    let ids = submit(&cluster, reqs).await?;
+    // let executor-1 get busy, then ask it to stop
+    loop {
+        let held: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM steps WHERE lease_owner = 'executor-1'")
+                .fetch_one(&pool)
+                .await?;
+        if held > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let status = cluster
+        .process("executor-1")
+        .expect("executor-1")
+        .terminate(Duration::from_secs(15))
+        .await?;
+    assert!(status.success(), "executor-1 exited cleanly: {status}");
+    let held: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM steps WHERE lease_owner = 'executor-1'")
+            .fetch_one(&pool)
+            .await?;
+    assert_eq!(held, 0, "no step is left leased to the stopped executor");
+    cluster
+        .wait_all_ended(&ids, Duration::from_secs(120))
+        .await?;
+    let completed: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM workflows WHERE state = 'completed'")
+            .fetch_one(&pool)
+            .await?;
+    assert_eq!(completed, WORKFLOWS as i64);
+    check_receipts_against_ledger(&pool, 3 * WORKFLOWS as i64).await?;
+    pool.close().await;
+    cluster.stop().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lost_duplicated_and_garbage_hints_change_nothing_but_latency() -> Result<()> {
+    const WORKFLOWS: usize = 40;
+    let cluster = Cluster::start(1, 1, 16).await?;
+    let pool = cluster.db.pool(2).await?;
+    let bus = z29c_bus::Bus::connect(&z29c_scenarios::cluster::nats_url(), &cluster.prefix).await?;
+    let nats = bus.client().clone();
+    let subject = bus.names().subject(z29c_bus::Topic::StepReady);
+    let noise = tokio::spawn(async move {
+        for i in 0..200u32 {
+            // garbage, and hints for steps that do not exist, published around the real ones
+            let _ = nats
+                .publish(subject.clone(), vec![0xff, 0x00, 0x13].into())
+                .await;
+            let hint = z29c_bus::step_ready(
+                &format!("fake-{}", i % 7),
+                "no-such-workflow",
+                "no-such-step",
+            );
+            let _ = nats
+                .publish(subject.clone(), prost_encode(&hint).into())
+                .await;
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    });
+    let reqs = (0..WORKFLOWS)
+        .map(|i| chain(&format!("hint-{i}"), "hints", 2))
+        .collect();
+    let ids = submit(&cluster, reqs).await?;
+    // drop real hints too: purge the stream while the workflows run
+    for _ in 0..5 {
+        let _ = bus.purge().await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    cluster
+        .wait_all_ended(&ids, Duration::from_secs(120))
+        .await?;
+    noise.await?;
+    check_receipts_against_ledger(&pool, 2 * WORKFLOWS as i64).await?;
+    pool.close().await;
+    cluster.stop().await
+}
+
+fn prost_encode(e: &pb::Envelope) -> Vec<u8> {
+    use prost::Message;
+    e.encode_to_vec()
+}
