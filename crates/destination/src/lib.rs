@@ -10,7 +10,8 @@
 //! - `GET /v1/requests/{key}`: the status of a key (`200`, `404`), or `501` when queries are
 //!   switched off.
 //! - `PUT /admin/faults/{route}`: switch faults for a route (delay, commit then drop the
-//!   response, 429 with `Retry-After`, 5xx, idempotency off, query off).
+//!   response, 429 with `Retry-After`, 5xx, idempotency off, query off); a request's
+//!   `X-Destination-Faults` header (the same JSON) overrides its route's for that request.
 
 use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
@@ -144,7 +145,20 @@ async fn accept(
     headers: HeaderMap,
     Json(body): Json<Value>,
 ) -> Response {
-    let faults = d.faults(&route);
+    // a request may carry its own faults, overriding its route's
+    let faults = match headers
+        .get("x-destination-faults")
+        .map(|v| v.to_str().map(serde_json::from_str::<Faults>))
+    {
+        Some(Ok(Ok(f))) => f,
+        Some(_) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                "x-destination-faults: not a faults object",
+            );
+        }
+        None => d.faults(&route),
+    };
     if faults.delay_ms > 0 {
         tokio::time::sleep(Duration::from_millis(faults.delay_ms)).await;
     }
