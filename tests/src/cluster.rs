@@ -98,11 +98,54 @@ pub struct Cluster {
     bin: PathBuf,
     gateways: usize,
     executors: usize,
+    recoveries: usize,
+    capability: &'static str,
+}
+
+/// Which processes a cluster runs.
+#[derive(Debug, Clone, Copy)]
+pub struct Topology {
+    pub gateways: usize,
+    pub executors: usize,
+    pub recoveries: usize,
+    pub permit_limit: u32,
+    /// The `http` adapter's declared capability: idempotent, queryable or opaque.
+    pub capability: &'static str,
+}
+
+impl Default for Topology {
+    fn default() -> Self {
+        Self {
+            gateways: 1,
+            executors: 1,
+            recoveries: 0,
+            permit_limit: 16,
+            capability: "idempotent",
+        }
+    }
 }
 
 impl Cluster {
     /// Starts the destination, `gateways` gateways, `executors` executors and one scheduler.
     pub async fn start(gateways: usize, executors: usize, permit_limit: u32) -> Result<Self> {
+        Self::start_with(Topology {
+            gateways,
+            executors,
+            permit_limit,
+            ..Topology::default()
+        })
+        .await
+    }
+
+    /// Starts the processes `t` describes.
+    pub async fn start_with(t: Topology) -> Result<Self> {
+        let Topology {
+            gateways,
+            executors,
+            recoveries,
+            permit_limit,
+            capability,
+        } = t;
         let bin = z29c_binary()?;
         let db = TestDatabase::create().await?;
         let prefix = format!("s{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
@@ -121,6 +164,8 @@ impl Cluster {
             bin,
             gateways: 0,
             executors: 0,
+            recoveries: 0,
+            capability,
         };
         let dest = cluster.spawn(
             "destination",
@@ -143,6 +188,9 @@ impl Cluster {
         cluster.scheduler_url = format!("http://127.0.0.1:{port}");
         for _ in 0..executors {
             cluster.add_executor().await?;
+        }
+        for _ in 0..recoveries {
+            cluster.add_recovery()?;
         }
         Ok(cluster)
     }
@@ -176,8 +224,8 @@ impl Cluster {
             &config,
             format!(
                 "[[adapters]]\nname = \"http\"\nversion = \"http/1\"\nbase_url = \"{}\"\n\
-                 capability = \"idempotent\"\ndefault_limit = {permit_limit}\n",
-                self.destination_url
+                 capability = \"{}\"\ndefault_limit = {permit_limit}\nsafety_window_ms = 5000\n",
+                self.destination_url, self.capability
             ),
         )?;
         let name = format!("gateway-{}", self.gateways);
@@ -191,6 +239,19 @@ impl Cluster {
         )?;
         self.processes.push(p);
         wait_for_port(port).await
+    }
+
+    /// Starts one more recovery worker.
+    pub fn add_recovery(&mut self) -> Result<()> {
+        self.recoveries += 1;
+        let name = format!("recovery-{}", self.recoveries);
+        let p = self.spawn(
+            &name,
+            &["recovery"],
+            &[("Z29C_ID", name.clone()), ("Z29C_SCAN_MS", "200".into())],
+        )?;
+        self.processes.push(p);
+        Ok(())
     }
 
     /// Starts one more executor.

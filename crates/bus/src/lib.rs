@@ -6,6 +6,8 @@
 //! changes nothing. Every name is under a configurable prefix, so deployments, and tests, share
 //! a NATS server without seeing each other's messages.
 
+pub mod gateways;
+
 use std::time::Duration;
 
 use async_nats::HeaderMap;

@@ -1,5 +1,5 @@
 //! `z29c dev`: the whole system in one process on loopback — destination, adapter gateway,
-//! scheduler, executor — with the demo workflow submitted and followed to its end.
+//! scheduler, executor, recovery — with the demo workflow submitted and followed to its end.
 
 #![allow(clippy::print_stdout)]
 
@@ -114,6 +114,13 @@ pub(crate) async fn run(args: DevArgs) -> anyhow::Result<()> {
         };
         tasks.push(tokio::spawn(z29c_executor::run(executor, shutdown.clone())));
     }
+    let recovery = z29c_recovery::RecoveryConfig {
+        database_url: infra.database_url.clone(),
+        nats_url: infra.nats_url.clone(),
+        prefix: prefix.clone(),
+        ..z29c_recovery::RecoveryConfig::default()
+    };
+    tasks.push(tokio::spawn(z29c_recovery::run(recovery, shutdown.clone())));
     let server = format!("http://{sched_addr}");
     println!("z29c dev is up in {:.1} s", started.elapsed().as_secs_f64());
     println!("  scheduler (WorkflowService): {server}");

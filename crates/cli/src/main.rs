@@ -61,6 +61,8 @@ enum Command {
     Executor(ServiceArgs),
     /// Run an adapter gateway.
     Gateway(ServiceArgs),
+    /// Run a recovery worker.
+    Recovery(ServiceArgs),
 }
 
 #[derive(Debug, clap::Args)]
@@ -130,6 +132,10 @@ async fn main() -> anyhow::Result<()> {
         },
         Command::Executor(args) => match config(&args)? {
             Some(c) => z29c_executor::run(c, z29c_runtime::shutdown_token()).await,
+            None => Ok(()),
+        },
+        Command::Recovery(args) => match config(&args)? {
+            Some(c) => z29c_recovery::run(c, z29c_runtime::shutdown_token()).await,
             None => Ok(()),
         },
         Command::Gateway(args) => match config(&args)? {

@@ -11,7 +11,7 @@ use z29c_proto::v1::{InvokeRequest, invoke_response};
 use z29c_store::leases::{ClaimedStep, CommitOutcome, Observed};
 use z29c_store::{Store, StoreError};
 
-use crate::gateways::Gateways;
+use z29c_bus::gateways::Gateways;
 
 /// What an attempt needs from its executor.
 #[derive(Debug, Clone)]

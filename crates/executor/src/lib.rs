@@ -10,12 +10,10 @@
 //!
 //! # Layout
 //! - [`config`]: executor configuration.
-//! - [`gateways`]: finding gateways through the registry.
 //! - [`attempt`]: one attempt, checkpoint by checkpoint.
 
 pub mod attempt;
 pub mod config;
-pub mod gateways;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -40,7 +38,7 @@ pub async fn run(config: ExecutorConfig, shutdown: CancellationToken) -> anyhow:
     let bus = Bus::connect(&config.nats_url, &config.prefix)
         .await
         .context("connect to NATS")?;
-    let gateways = gateways::Gateways::new(bus.clone());
+    let gateways = z29c_bus::gateways::Gateways::new(bus.clone());
     let wake = Arc::new(Notify::new());
     let hints = tokio::spawn(listen_for_hints(
         bus.clone(),

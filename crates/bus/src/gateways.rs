@@ -1,13 +1,14 @@
-//! Finding a gateway for an adapter through the NATS registry, with cached channels.
+//! Finding a gateway for an adapter through the registry, with cached gRPC channels. Used by
+//! executors (to invoke) and recovery (to query); round-robin spreads calls over instances.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use crate::{Bus, GatewayRecord};
 use tokio::sync::Mutex;
 use tonic::transport::{Channel, Endpoint};
-use z29c_bus::{Bus, GatewayRecord};
 use z29c_core::AdapterCapability;
 use z29c_proto::v1::adapter_gateway_client::AdapterGatewayClient;
 

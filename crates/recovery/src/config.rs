@@ -1,0 +1,35 @@
+//! Recovery configuration.
+
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default)]
+pub struct RecoveryConfig {
+    /// Recovery-lease owner name; unique per instance.
+    pub id: String,
+    pub database_url: String,
+    pub max_connections: u32,
+    pub nats_url: String,
+    pub prefix: String,
+    /// How often to look for expired leases.
+    pub scan_ms: u64,
+    /// Most expired leases handled per scan.
+    pub batch: i64,
+    /// How long a recovery lease lasts; a recovery worker that dies is itself recovered.
+    pub recovery_lease_ms: u64,
+}
+
+impl Default for RecoveryConfig {
+    fn default() -> Self {
+        Self {
+            id: "recovery-1".into(),
+            database_url: "postgres://postgres:postgres@127.0.0.1:5432/z29c".into(),
+            max_connections: 4,
+            nats_url: "nats://127.0.0.1:4222".into(),
+            prefix: "z29c".into(),
+            scan_ms: 500,
+            batch: 50,
+            recovery_lease_ms: 30_000,
+        }
+    }
+}

@@ -1,0 +1,62 @@
+//! Recovery (DESIGN.md §6): lease expiry starts reasoning, never repetition.
+//!
+//! A recovery worker scans leases that expired by PostgreSQL's clock, takes a recovery lease
+//! (bumping the version, which fences the old worker out), reads the evidence — checkpoint,
+//! request identity, receipt, late observations — and the adapter's capability from the
+//! gateway registry, and asks `z29c_core::classify` what to do. Every decision is recorded
+//! before it is acted on. Several instances may run: each step's recovery lease is taken once.
+//!
+//! # Layout
+//! - [`config`]: recovery configuration.
+//! - [`worker`]: one step's recovery, decision by decision.
+
+pub mod config;
+pub mod worker;
+
+use std::time::Duration;
+
+use anyhow::Context;
+use tokio_util::sync::CancellationToken;
+use z29c_bus::Bus;
+use z29c_core::OwnerId;
+use z29c_store::Store;
+
+pub use config::RecoveryConfig;
+
+/// Runs recovery until `shutdown` is cancelled.
+pub async fn run(config: RecoveryConfig, shutdown: CancellationToken) -> anyhow::Result<()> {
+    let owner = OwnerId::parse(config.id.clone()).context("recovery id")?;
+    let store = Store::connect(&config.database_url, config.max_connections)
+        .await
+        .context("connect to PostgreSQL")?;
+    let bus = Bus::connect(&config.nats_url, &config.prefix)
+        .await
+        .context("connect to NATS")?;
+    let ctx = worker::Context {
+        store: store.clone(),
+        bus,
+        owner,
+        hold: Duration::from_millis(config.recovery_lease_ms),
+    };
+    tracing::info!(id = %config.id, "recovery started");
+    while !shutdown.is_cancelled() {
+        match store.scan_expired(config.batch).await {
+            Ok(expired) => {
+                for lease in expired {
+                    if shutdown.is_cancelled() {
+                        break;
+                    }
+                    if let Err(e) = worker::recover(&ctx, &lease).await {
+                        tracing::warn!(step = %lease.step, error = %e, "recovery stopped; the step stays leased to recovery until its lease expires");
+                    }
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "expired-lease scan failed"),
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => {}
+            _ = tokio::time::sleep(Duration::from_millis(config.scan_ms)) => {}
+        }
+    }
+    Ok(())
+}

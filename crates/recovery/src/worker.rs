@@ -1,0 +1,284 @@
+//! One step's recovery: take the recovery lease, classify the evidence, record the decision,
+//! then act on it. Nothing here decides from a clock or a heartbeat; only durable evidence and
+//! the adapter's declared capability count.
+
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use z29c_bus::Bus;
+use z29c_bus::gateways::Gateways;
+use z29c_core::{
+    AdapterCapability, ExternalReference, InputDigest, LeaseClaim, Outcome, OwnerId,
+    RecoveryCategory, RecoveryDecision, RequestIdentity, Verification, classify,
+};
+use z29c_proto::v1::{QueryRequest, query_response};
+use z29c_store::leases::Observed;
+use z29c_store::recovery::{DecisionRecord, ExpiredLease, RecoverySnapshot};
+use z29c_store::{Store, StoreError};
+
+#[derive(Debug, Clone)]
+pub struct Context {
+    pub store: Store,
+    pub bus: Bus,
+    pub owner: OwnerId,
+    pub hold: Duration,
+}
+
+const QUERY_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Recovers one expired lease. Losing the race for the recovery lease to another instance is
+/// not an error: that instance decides.
+pub async fn recover(ctx: &Context, expired: &ExpiredLease) -> Result<(), StoreError> {
+    let rec = match ctx
+        .store
+        .take_recovery_lease(expired.step, expired.version, &ctx.owner, ctx.hold)
+        .await
+    {
+        Ok(r) => r,
+        Err(StoreError::Fenced(reason)) => {
+            tracing::debug!(step = %expired.step, %reason, "another worker took this step");
+            return Ok(());
+        }
+        Err(e) => return Err(e),
+    };
+    let gateways = Gateways::new(ctx.bus.clone());
+    let chosen = gateways.for_adapter(&rec.snapshot.adapter).await;
+    // an adapter nobody serves now cannot promise anything: treat it as opaque
+    let capability = chosen
+        .as_ref()
+        .map_or(AdapterCapability::Opaque, |c| c.capability);
+    let evidence = rec.snapshot.evidence(capability);
+    let (category, decision) = classify(&evidence);
+    tracing::info!(
+        step = %expired.step,
+        expired_ms = expired.expired_for.num_milliseconds(),
+        %category, %decision, %capability,
+        "recovery decision"
+    );
+    let lease = &rec.lease;
+    let snap = &rec.snapshot;
+    let record = |decision: RecoveryDecision, detail: Value| DecisionRecord {
+        category,
+        decision,
+        capability,
+        detail,
+    };
+    match decision {
+        RecoveryDecision::StatusQuery => {
+            ctx.store
+                .record_decision(lease, &record(decision, json!({})))
+                .await?;
+            let answer = match chosen {
+                Some(mut c) => {
+                    let mut req = tonic::Request::new(QueryRequest {
+                        adapter: snap.adapter.clone(),
+                        request_identity: snap.request_identity.clone().unwrap_or_default(),
+                    });
+                    req.set_timeout(QUERY_TIMEOUT);
+                    c.client.query(req).await.map(|r| r.into_inner().status)
+                }
+                None => Err(tonic::Status::unavailable("no gateway serves the adapter")),
+            };
+            match answer {
+                Ok(Some(query_response::Status::Found(found))) => {
+                    let result = serde_json::from_str(&found.result_json).unwrap_or(Value::Null);
+                    let observed = observed(
+                        snap,
+                        Outcome::Succeeded,
+                        Some(found.external_reference),
+                        result,
+                        "status-query",
+                    )?;
+                    commit_or_conflict(
+                        ctx,
+                        lease,
+                        snap,
+                        &observed,
+                        Verification::StatusQuery,
+                        category,
+                        capability,
+                    )
+                    .await?;
+                }
+                Ok(Some(query_response::Status::NotFound(_))) => {
+                    // the destination never accepted the request: sending it again, under the
+                    // same identity, is safe
+                    ctx.store
+                        .record_decision(
+                            lease,
+                            &record(
+                                RecoveryDecision::RetrySameIdentity,
+                                json!({ "reason": "status query found no such request" }),
+                            ),
+                        )
+                        .await?;
+                }
+                other => {
+                    let reason = format!("status query gave no answer: {other:?}");
+                    ctx.store
+                        .record_decision(
+                            lease,
+                            &record(RecoveryDecision::HumanReview, json!({ "reason": reason })),
+                        )
+                        .await?;
+                }
+            }
+        }
+        RecoveryDecision::Reconcile => {
+            ctx.store
+                .record_decision(lease, &record(decision, json!({})))
+                .await?;
+            let matching = snap.matching_observations();
+            let references: Vec<&str> = matching
+                .iter()
+                .filter_map(|o| o.external_reference.as_deref())
+                .collect();
+            let distinct: std::collections::BTreeSet<&str> = references.iter().copied().collect();
+            match (matching.first(), distinct.len()) {
+                (Some(first), 0 | 1) => {
+                    let outcome: Outcome = first.outcome.parse().unwrap_or(Outcome::Failed);
+                    let observed = observed(
+                        snap,
+                        outcome,
+                        first.external_reference.clone(),
+                        first.observed_result.clone(),
+                        &first.adapter_version,
+                    )?;
+                    commit_or_conflict(
+                        ctx,
+                        lease,
+                        snap,
+                        &observed,
+                        Verification::LateEvidence,
+                        category,
+                        capability,
+                    )
+                    .await?;
+                }
+                (Some(_), _) => {
+                    let identity = snap.request_identity.clone().unwrap_or_default();
+                    let mut refs = distinct.iter();
+                    ctx.store
+                        .record_integrity_conflict(
+                            lease.step,
+                            &identity,
+                            refs.next().copied(),
+                            refs.next().copied(),
+                            "late_evidence",
+                        )
+                        .await?;
+                    ctx.store
+                        .record_decision(
+                            lease,
+                            &record(
+                                RecoveryDecision::HumanReview,
+                                json!({ "reason": "late evidence names different external references for one request identity" }),
+                            ),
+                        )
+                        .await?;
+                }
+                (None, _) => {
+                    ctx.store
+                        .record_decision(
+                            lease,
+                            &record(
+                                RecoveryDecision::HumanReview,
+                                json!({ "reason": "a response was observed but no evidence of it was kept" }),
+                            ),
+                        )
+                        .await?;
+                }
+            }
+        }
+        _ => {
+            let detail = match decision {
+                RecoveryDecision::HumanReview => json!({
+                    "reason": "the adapter cannot say what happened to a request that may have been sent"
+                }),
+                _ => json!({}),
+            };
+            ctx.store
+                .record_decision(lease, &record(decision, detail))
+                .await?;
+        }
+    }
+    Ok(())
+}
+
+fn observed(
+    snap: &RecoverySnapshot,
+    outcome: Outcome,
+    reference: Option<String>,
+    result: Value,
+    adapter_version: &str,
+) -> Result<Observed, StoreError> {
+    let invalid = |e: z29c_core::ParseError| StoreError::Corrupt(e.to_string());
+    Ok(Observed {
+        request_identity: RequestIdentity::parse(snap.request_identity.clone().unwrap_or_default())
+            .map_err(invalid)?,
+        input_digest: InputDigest::parse(snap.input_digest.clone()).map_err(invalid)?,
+        adapter_version: if adapter_version.is_empty() {
+            "unknown".into()
+        } else {
+            adapter_version.into()
+        },
+        outcome,
+        external_reference: reference
+            .map(ExternalReference::parse)
+            .transpose()
+            .map_err(invalid)?,
+        result,
+    })
+}
+
+/// Commits a recovered receipt, unless the evidence disagrees with what a stale worker saw:
+/// then it is an integrity conflict for a person, never an overwrite.
+async fn commit_or_conflict(
+    ctx: &Context,
+    lease: &LeaseClaim,
+    snap: &RecoverySnapshot,
+    observed: &Observed,
+    verification: Verification,
+    category: RecoveryCategory,
+    capability: AdapterCapability,
+) -> Result<(), StoreError> {
+    let found = observed
+        .external_reference
+        .as_ref()
+        .map(|r| r.as_str().to_owned());
+    let disagreeing = snap
+        .matching_observations()
+        .into_iter()
+        .filter_map(|o| o.external_reference.clone())
+        .find(|r| Some(r) != found.as_ref());
+    if let Some(other) = disagreeing {
+        let identity = observed.request_identity.to_string();
+        ctx.store
+            .record_integrity_conflict(
+                lease.step,
+                &identity,
+                found.as_deref(),
+                Some(&other),
+                verification.as_str(),
+            )
+            .await?;
+        ctx.store
+            .record_decision(
+                lease,
+                &DecisionRecord {
+                    category,
+                    decision: RecoveryDecision::HumanReview,
+                    capability,
+                    detail: json!({ "reason": "evidence disagrees on the external reference", "found": found, "late": other }),
+                },
+            )
+            .await?;
+        return Ok(());
+    }
+    let receipt = ctx
+        .store
+        .commit_recovered_receipt(lease, observed, verification)
+        .await?;
+    tracing::info!(step = %lease.step, reference = ?receipt.external_reference, %verification, "receipt committed from evidence");
+    Ok(())
+}

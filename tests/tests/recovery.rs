@@ -1,0 +1,189 @@
+//! Recovery across real processes: a lost response makes the outcome unknown, and recovery
+//! decides from evidence and the adapter's capability — retry with the same key, ask the
+//! destination, or put it in front of a person — never blind repetition.
+
+use std::time::Duration;
+
+use anyhow::{Result, bail};
+use serde_json::json;
+use sqlx::PgPool;
+use z29c_proto::v1::{self as pb};
+use z29c_scenarios::cluster::{Cluster, Topology, chain};
+
+/// One step whose calls time out quickly, so an unknown outcome comes fast.
+fn flaky_workflow(key: &str) -> pb::SubmitRequest {
+    let mut req = chain(key, "flaky", 1);
+    req.steps[0].policy = Some(pb::LeasePolicy {
+        lease_ms: 2_000,
+        renew_every_ms: 500,
+        attempt_deadline_ms: 4_000,
+        final_grace_ms: 500,
+        adapter_timeout_ms: 800,
+        ..Default::default()
+    });
+    req
+}
+
+async fn start(capability: &'static str) -> Result<(Cluster, PgPool, String)> {
+    let cluster = Cluster::start_with(Topology {
+        recoveries: 2,
+        capability,
+        ..Topology::default()
+    })
+    .await?;
+    let pool = cluster.db.pool(2).await?;
+    cluster
+        .set_faults("flaky", json!({ "drop_response": true }))
+        .await?;
+    let mut client = cluster.client().await?;
+    let wf = client
+        .submit(flaky_workflow("flaky-1"))
+        .await?
+        .into_inner()
+        .workflow
+        .unwrap();
+    Ok((cluster, pool, wf.id))
+}
+
+async fn wait_for(pool: &PgPool, sql: &'static str, what: &str) -> Result<()> {
+    for _ in 0..400 {
+        let n: i64 = sqlx::query_scalar(sql).fetch_one(pool).await?;
+        if n > 0 {
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    bail!("timed out waiting for {what}")
+}
+
+/// Every recovery lease version decided by one owner only: two recovery instances never both
+/// acted on the same expiry.
+async fn decisions_taken_once(pool: &PgPool) -> Result<()> {
+    let doubled: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM (SELECT step_id, lease_version FROM recovery_decisions
+                               GROUP BY step_id, lease_version HAVING count(DISTINCT owner) > 1) d",
+    )
+    .fetch_one(pool)
+    .await?;
+    assert_eq!(doubled, 0);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unknown_outcome_at_an_idempotent_adapter_is_retried_with_the_same_key() -> Result<()> {
+    let (cluster, pool, id) = start("idempotent").await?;
+    wait_for(
+        &pool,
+        "SELECT count(*) FROM recovery_decisions WHERE decision = 'retry_same_identity'",
+        "a retry decision",
+    )
+    .await?;
+    cluster.set_faults("flaky", json!({})).await?;
+    cluster
+        .wait_all_ended(std::slice::from_ref(&id), Duration::from_secs(60))
+        .await?;
+
+    let (reference, identity, verification): (String, String, String) = sqlx::query_as(
+        "SELECT external_reference, request_identity, verification::text FROM step_receipts",
+    )
+    .fetch_one(&pool)
+    .await?;
+    assert_eq!(verification, "direct");
+    let ledger: Vec<(String, Option<String>)> =
+        sqlx::query_as("SELECT reference, idempotency_key FROM destination.ledger")
+            .fetch_all(&pool)
+            .await?;
+    assert_eq!(
+        ledger.len(),
+        1,
+        "one effect, however many attempts: {ledger:?}"
+    );
+    assert_eq!(ledger[0], (reference, Some(identity.clone())));
+    let identities: Vec<String> = sqlx::query_scalar(
+        "SELECT DISTINCT request_identity FROM attempts WHERE request_identity IS NOT NULL",
+    )
+    .fetch_all(&pool)
+    .await?;
+    assert_eq!(identities, [identity], "every attempt carried the same key");
+    let attempts: i64 = sqlx::query_scalar("SELECT count(*) FROM attempts")
+        .fetch_one(&pool)
+        .await?;
+    assert!(attempts >= 2);
+    let category: String = sqlx::query_scalar(
+        "SELECT category::text FROM recovery_decisions ORDER BY decided_at LIMIT 1",
+    )
+    .fetch_one(&pool)
+    .await?;
+    assert_eq!(category, "invoked_idempotent");
+    decisions_taken_once(&pool).await?;
+    pool.close().await;
+    cluster.stop().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unknown_outcome_at_a_queryable_adapter_is_settled_by_a_status_query() -> Result<()> {
+    let (cluster, pool, id) = start("queryable").await?;
+    cluster
+        .wait_all_ended(std::slice::from_ref(&id), Duration::from_secs(60))
+        .await?;
+    let (reference, verification): (String, String) =
+        sqlx::query_as("SELECT external_reference, verification::text FROM step_receipts")
+            .fetch_one(&pool)
+            .await?;
+    assert_eq!(verification, "status_query");
+    let ledger: Vec<String> = sqlx::query_scalar("SELECT reference FROM destination.ledger")
+        .fetch_all(&pool)
+        .await?;
+    assert_eq!(
+        ledger,
+        [reference],
+        "the effect the destination committed, found, not repeated"
+    );
+    let attempts: i64 = sqlx::query_scalar("SELECT count(*) FROM attempts")
+        .fetch_one(&pool)
+        .await?;
+    assert_eq!(attempts, 1, "nothing was sent twice");
+    decisions_taken_once(&pool).await?;
+    pool.close().await;
+    cluster.stop().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unknown_outcome_at_an_opaque_adapter_waits_for_a_person() -> Result<()> {
+    let (cluster, pool, id) = start("opaque").await?;
+    cluster
+        .wait_all_ended(std::slice::from_ref(&id), Duration::from_secs(60))
+        .await?;
+    let wf = cluster
+        .client()
+        .await?
+        .get(pb::GetRequest { workflow_id: id })
+        .await?
+        .into_inner();
+    assert_eq!(wf.state(), pb::ProductState::NeedsReview);
+    assert_eq!(wf.state_label, "Delivery status needs review");
+    // it stays there: nothing is retried automatically
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let attempts: i64 = sqlx::query_scalar("SELECT count(*) FROM attempts")
+        .fetch_one(&pool)
+        .await?;
+    assert_eq!(attempts, 1);
+    let open: i64 = sqlx::query_scalar("SELECT count(*) FROM review_items WHERE state = 'open'")
+        .fetch_one(&pool)
+        .await?;
+    assert_eq!(open, 1);
+    let receipts: i64 = sqlx::query_scalar("SELECT count(*) FROM step_receipts")
+        .fetch_one(&pool)
+        .await?;
+    assert_eq!(receipts, 0, "unknown is not a receipt");
+    let ledger: i64 = sqlx::query_scalar("SELECT count(*) FROM destination.ledger")
+        .fetch_one(&pool)
+        .await?;
+    assert_eq!(
+        ledger, 1,
+        "the destination did commit the effect nobody heard about"
+    );
+    decisions_taken_once(&pool).await?;
+    pool.close().await;
+    cluster.stop().await
+}
