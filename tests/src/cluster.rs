@@ -93,6 +93,8 @@ pub struct Cluster {
     pub prefix: String,
     pub scheduler_url: String,
     pub destination_url: String,
+    /// `ReviewService` of the first recovery instance.
+    pub review_url: String,
     pub processes: Vec<Process>,
     dir: PathBuf,
     bin: PathBuf,
@@ -159,6 +161,7 @@ impl Cluster {
             prefix,
             scheduler_url: String::new(),
             destination_url: format!("http://127.0.0.1:{destination_port}"),
+            review_url: String::new(),
             processes: Vec::new(),
             dir,
             bin,
@@ -190,7 +193,7 @@ impl Cluster {
             cluster.add_executor().await?;
         }
         for _ in 0..recoveries {
-            cluster.add_recovery()?;
+            cluster.add_recovery().await?;
         }
         Ok(cluster)
     }
@@ -242,15 +245,24 @@ impl Cluster {
     }
 
     /// Starts one more recovery worker.
-    pub fn add_recovery(&mut self) -> Result<()> {
+    pub async fn add_recovery(&mut self) -> Result<()> {
         self.recoveries += 1;
         let name = format!("recovery-{}", self.recoveries);
+        let port = free_port()?;
         let p = self.spawn(
             &name,
             &["recovery"],
-            &[("Z29C_ID", name.clone()), ("Z29C_SCAN_MS", "200".into())],
+            &[
+                ("Z29C_ID", name.clone()),
+                ("Z29C_SCAN_MS", "200".into()),
+                ("Z29C_LISTEN", format!("127.0.0.1:{port}")),
+            ],
         )?;
         self.processes.push(p);
+        wait_for_port(port).await?;
+        if self.review_url.is_empty() {
+            self.review_url = format!("http://127.0.0.1:{port}");
+        }
         Ok(())
     }
 

@@ -184,6 +184,95 @@ async fn an_unknown_outcome_at_an_opaque_adapter_waits_for_a_person() -> Result<
         "the destination did commit the effect nobody heard about"
     );
     decisions_taken_once(&pool).await?;
+    resolve_through_review_service(&cluster, &pool).await?;
     pool.close().await;
     cluster.stop().await
+}
+
+/// A person looks at the destination, finds the effect, and says so: the workflow completes
+/// with a receipt verified `manual`, and the resolution is audited. Stale versions and missing
+/// reasons are refused without changing anything.
+async fn resolve_through_review_service(cluster: &Cluster, pool: &PgPool) -> Result<()> {
+    use pb::resolve_request::Resolution;
+    use z29c_proto::v1::review_service_client::ReviewServiceClient;
+    let mut reviews = ReviewServiceClient::connect(cluster.review_url.clone()).await?;
+    let items = reviews
+        .list(pb::ListReviewsRequest::default())
+        .await?
+        .into_inner()
+        .items;
+    assert_eq!(items.len(), 1);
+    let item = &items[0];
+    let reference: String = sqlx::query_scalar("SELECT reference FROM destination.ledger")
+        .fetch_one(pool)
+        .await?;
+    let resolve = |version: i64, reason: &str| {
+        let mut req = tonic::Request::new(pb::ResolveRequest {
+            item_id: item.id.clone(),
+            expected_version: version,
+            reason: reason.into(),
+            resolution: Some(Resolution::SucceededExternalReference(reference.clone())),
+        });
+        req.metadata_mut()
+            .insert("x-z29c-operator", "alice".parse().unwrap());
+        req
+    };
+    let missing_reason = reviews
+        .resolve(resolve(item.version, " "))
+        .await
+        .unwrap_err();
+    assert_eq!(missing_reason.code(), tonic::Code::InvalidArgument);
+    let stale = reviews
+        .resolve(resolve(item.version + 1, "found it in the destination"))
+        .await
+        .unwrap_err();
+    assert_eq!(stale.code(), tonic::Code::FailedPrecondition);
+    let resolved = reviews
+        .resolve(resolve(item.version, "found it in the destination"))
+        .await?
+        .into_inner();
+    assert_eq!(resolved.state, "resolved");
+    let again = reviews
+        .resolve(resolve(resolved.version, "twice"))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        again.code(),
+        tonic::Code::FailedPrecondition,
+        "not open any more"
+    );
+
+    let (verification, external): (String, String) =
+        sqlx::query_as("SELECT verification::text, external_reference FROM step_receipts")
+            .fetch_one(pool)
+            .await?;
+    assert_eq!(
+        (verification.as_str(), external.as_str()),
+        ("manual", reference.as_str())
+    );
+    let wf: String = sqlx::query_scalar("SELECT state::text FROM workflows")
+        .fetch_one(pool)
+        .await?;
+    assert_eq!(wf, "completed");
+    let audit: Vec<(String, String, String)> =
+        sqlx::query_as("SELECT resolved_by, resolution, reason FROM review_resolutions")
+            .fetch_all(pool)
+            .await?;
+    assert_eq!(
+        audit,
+        [(
+            "alice".into(),
+            "succeeded".into(),
+            "found it in the destination".into()
+        )]
+    );
+    let still_unknown: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM adapter_permits WHERE state = 'unknown'")
+            .fetch_one(pool)
+            .await?;
+    assert_eq!(
+        still_unknown, 0,
+        "the permit held for the unknown outcome was released"
+    );
+    Ok(())
 }

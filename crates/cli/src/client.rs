@@ -6,6 +6,7 @@
 use std::path::Path;
 
 use anyhow::Context;
+use z29c_proto::v1::review_service_client::ReviewServiceClient;
 use z29c_proto::v1::workflow_service_client::WorkflowServiceClient;
 use z29c_proto::v1::{self as pb, ProductState};
 
@@ -134,4 +135,112 @@ pub(crate) fn print_workflow(wf: &pb::Workflow) {
             );
         }
     }
+}
+
+#[derive(Debug, clap::Subcommand)]
+pub(crate) enum ReviewCommand {
+    /// Open items (all items with --all).
+    List {
+        #[arg(long)]
+        all: bool,
+    },
+    /// One item.
+    Show { item_id: String },
+    /// Resolve an item at its current version, with a reason.
+    Resolve {
+        item_id: String,
+        /// The item's version as last seen (compare-and-set).
+        #[arg(long)]
+        version: i64,
+        #[arg(long)]
+        reason: String,
+        /// The effect happened; the external system's reference for it.
+        #[arg(long, group = "resolution")]
+        succeeded: Option<String>,
+        /// The effect did not happen.
+        #[arg(long, group = "resolution")]
+        failed: bool,
+        /// Send again with the same request identity.
+        #[arg(long, group = "resolution")]
+        retry: bool,
+        #[arg(long, env = "Z29C_OPERATOR", default_value = "operator")]
+        operator: String,
+    },
+}
+
+fn print_item(i: &pb::ReviewItem) {
+    println!(
+        "{}  v{}  {}  workflow {} step {}  identity {}\n    {}",
+        i.id, i.version, i.state, i.workflow_id, i.step_name, i.request_identity, i.reason
+    );
+}
+
+pub(crate) async fn review(server: &str, command: ReviewCommand) -> anyhow::Result<()> {
+    let mut client = ReviewServiceClient::connect(server.to_owned())
+        .await
+        .with_context(|| format!("cannot reach the review service at {server}"))?;
+    match command {
+        ReviewCommand::List { all } => {
+            let items = client
+                .list(pb::ListReviewsRequest {
+                    include_resolved: all,
+                    ..Default::default()
+                })
+                .await?
+                .into_inner()
+                .items;
+            if items.is_empty() {
+                println!("no review items");
+            }
+            items.iter().for_each(print_item);
+        }
+        ReviewCommand::Show { item_id } => {
+            let items = client
+                .list(pb::ListReviewsRequest {
+                    include_resolved: true,
+                    page_size: 500,
+                    ..Default::default()
+                })
+                .await?
+                .into_inner()
+                .items;
+            let item = items
+                .iter()
+                .find(|i| i.id == item_id)
+                .context("no such review item")?;
+            print_item(item);
+        }
+        ReviewCommand::Resolve {
+            item_id,
+            version,
+            reason,
+            succeeded,
+            failed,
+            retry,
+            operator,
+        } => {
+            use pb::resolve_request::Resolution;
+            let resolution = match (succeeded, failed, retry) {
+                (Some(r), false, false) => Resolution::SucceededExternalReference(r),
+                (None, true, false) => Resolution::Failed(true),
+                (None, false, true) => Resolution::RetrySameIdentity(true),
+                _ => anyhow::bail!("give exactly one of --succeeded REF, --failed, --retry"),
+            };
+            let mut req = tonic::Request::new(pb::ResolveRequest {
+                item_id,
+                expected_version: version,
+                reason,
+                resolution: Some(resolution),
+            });
+            req.metadata_mut()
+                .insert("x-z29c-operator", operator.parse()?);
+            let item = client
+                .resolve(req)
+                .await
+                .map_err(|s| anyhow::anyhow!("resolve refused ({:?}): {}", s.code(), s.message()))?
+                .into_inner();
+            print_item(&item);
+        }
+    }
+    Ok(())
 }

@@ -115,15 +115,25 @@ pub(crate) async fn run(args: DevArgs) -> anyhow::Result<()> {
         tasks.push(tokio::spawn(z29c_executor::run(executor, shutdown.clone())));
     }
     let recovery = z29c_recovery::RecoveryConfig {
+        listen: "127.0.0.1:0".parse()?,
         database_url: infra.database_url.clone(),
         nats_url: infra.nats_url.clone(),
         prefix: prefix.clone(),
         ..z29c_recovery::RecoveryConfig::default()
     };
-    tasks.push(tokio::spawn(z29c_recovery::run(recovery, shutdown.clone())));
+    let (rec_ready, rec_addr) = tokio::sync::oneshot::channel();
+    tasks.push(tokio::spawn(z29c_recovery::run(
+        recovery,
+        shutdown.clone(),
+        Some(rec_ready),
+    )));
+    let Ok(rec_addr) = rec_addr.await else {
+        return Err(failure(tasks.pop()).await.context("recovery did not start"));
+    };
     let server = format!("http://{sched_addr}");
     println!("z29c dev is up in {:.1} s", started.elapsed().as_secs_f64());
     println!("  scheduler (WorkflowService): {server}");
+    println!("  recovery (ReviewService): http://{rec_addr}");
     println!("  destination (synthetic external system): {destination_url}");
     println!("  PostgreSQL: {}", infra.database_url);
     println!("  NATS: {} (prefix {prefix})", infra.nats_url);

@@ -43,6 +43,17 @@ enum Command {
         #[arg(long, env = "Z29C_SERVER", default_value = "http://127.0.0.1:50051")]
         server: String,
     },
+    /// The review queue: steps whose outcome only a person can establish.
+    Review {
+        #[command(subcommand)]
+        command: client::ReviewCommand,
+        #[arg(
+            long,
+            env = "Z29C_REVIEW_SERVER",
+            default_value = "http://127.0.0.1:50053"
+        )]
+        server: String,
+    },
     /// Apply the database migrations.
     Migrate {
         #[arg(long, env = "Z29C_DATABASE_URL")]
@@ -104,6 +115,7 @@ async fn main() -> anyhow::Result<()> {
             workflow_id,
             server,
         } => client::status(&server, &workflow_id).await,
+        Command::Review { command, server } => client::review(&server, command).await,
         Command::Migrate { database_url } => {
             z29c_store::Store::connect(&database_url, 2)
                 .await?
@@ -135,7 +147,7 @@ async fn main() -> anyhow::Result<()> {
             None => Ok(()),
         },
         Command::Recovery(args) => match config(&args)? {
-            Some(c) => z29c_recovery::run(c, z29c_runtime::shutdown_token()).await,
+            Some(c) => z29c_recovery::run(c, z29c_runtime::shutdown_token(), None).await,
             None => Ok(()),
         },
         Command::Gateway(args) => match config(&args)? {

@@ -21,15 +21,16 @@ impl WorkflowState {
 
     /// Whether a worker under a valid lease may record `next` for a step of this workflow.
     ///
-    /// A running workflow permits every checkpoint. A cancelled one stops new work at its next
-    /// safe boundary (no new preparation, no new invocation) but still lets an invocation that
-    /// already began record what it observed: cancelling does not un-send a request, and the
-    /// outcome must not be thrown away. Completed and failed workflows permit nothing.
+    /// A running workflow permits every checkpoint. A cancelled or failed one stops new work at
+    /// its next safe boundary (no new preparation, no new invocation) but still lets an
+    /// invocation that already began record what it observed: ending a workflow does not
+    /// un-send a request, and the outcome must not be thrown away. A completed workflow has
+    /// nothing left in flight and permits nothing.
     pub fn permits(self, next: Checkpoint) -> bool {
         match self {
             Self::Running => true,
-            Self::Cancelled => next > Checkpoint::InvocationBegan,
-            Self::Completed | Self::Failed => false,
+            Self::Cancelled | Self::Failed => next > Checkpoint::InvocationBegan,
+            Self::Completed => false,
         }
     }
 
@@ -118,26 +119,26 @@ mod tests {
     }
 
     #[test]
-    fn cancelled_workflow_permits_only_recording_an_outcome_already_in_flight() {
-        for &c in Checkpoint::ALL {
-            let expected = matches!(
-                c,
-                Checkpoint::ResponseObserved | Checkpoint::ReceiptCommitted
-            );
-            assert_eq!(WorkflowState::Cancelled.permits(c), expected, "{c}");
+    fn ended_workflows_permit_only_recording_an_outcome_already_in_flight() {
+        for s in [WorkflowState::Cancelled, WorkflowState::Failed] {
+            for &c in Checkpoint::ALL {
+                let expected = matches!(
+                    c,
+                    Checkpoint::ResponseObserved | Checkpoint::ReceiptCommitted
+                );
+                assert_eq!(s.permits(c), expected, "{s} {c}");
+            }
         }
     }
 
     #[test]
-    fn finished_workflows_permit_nothing() {
-        for s in [WorkflowState::Completed, WorkflowState::Failed] {
-            for &c in Checkpoint::ALL {
-                assert!(!s.permits(c), "{s} {c}");
-            }
-            assert!(!s.permits_renewal());
+    fn completed_workflows_permit_nothing_and_only_running_ones_renew() {
+        for &c in Checkpoint::ALL {
+            assert!(!WorkflowState::Completed.permits(c), "{c}");
         }
-        assert!(!WorkflowState::Cancelled.permits_renewal());
-        assert!(WorkflowState::Running.permits_renewal());
+        for &s in WorkflowState::ALL {
+            assert_eq!(s.permits_renewal(), s == WorkflowState::Running, "{s}");
+        }
     }
 
     #[test]

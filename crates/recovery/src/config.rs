@@ -7,6 +7,8 @@ use serde::{Deserialize, Serialize};
 pub struct RecoveryConfig {
     /// Recovery-lease owner name; unique per instance.
     pub id: String,
+    /// Where `ReviewService` listens.
+    pub listen: std::net::SocketAddr,
     pub database_url: String,
     pub max_connections: u32,
     pub nats_url: String,
@@ -23,6 +25,7 @@ impl Default for RecoveryConfig {
     fn default() -> Self {
         Self {
             id: "recovery-1".into(),
+            listen: "127.0.0.1:50053".parse().expect("literal address"),
             database_url: "postgres://postgres:postgres@127.0.0.1:5432/z29c".into(),
             max_connections: 4,
             nats_url: "nats://127.0.0.1:4222".into(),

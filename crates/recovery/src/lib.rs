@@ -9,8 +9,10 @@
 //! # Layout
 //! - [`config`]: recovery configuration.
 //! - [`worker`]: one step's recovery, decision by decision.
+//! - [`review`]: `ReviewService`, the review queue over gRPC.
 
 pub mod config;
+pub mod review;
 pub mod worker;
 
 use std::time::Duration;
@@ -23,8 +25,13 @@ use z29c_store::Store;
 
 pub use config::RecoveryConfig;
 
-/// Runs recovery until `shutdown` is cancelled.
-pub async fn run(config: RecoveryConfig, shutdown: CancellationToken) -> anyhow::Result<()> {
+/// Runs recovery and its `ReviewService` until `shutdown` is cancelled. `ready` receives the
+/// review service's address.
+pub async fn run(
+    config: RecoveryConfig,
+    shutdown: CancellationToken,
+    ready: Option<tokio::sync::oneshot::Sender<std::net::SocketAddr>>,
+) -> anyhow::Result<()> {
     let owner = OwnerId::parse(config.id.clone()).context("recovery id")?;
     let store = Store::connect(&config.database_url, config.max_connections)
         .await
@@ -38,7 +45,27 @@ pub async fn run(config: RecoveryConfig, shutdown: CancellationToken) -> anyhow:
         owner,
         hold: Duration::from_millis(config.recovery_lease_ms),
     };
-    tracing::info!(id = %config.id, "recovery started");
+    let listener = tokio::net::TcpListener::bind(config.listen)
+        .await
+        .with_context(|| format!("bind {}", config.listen))?;
+    let addr = listener.local_addr()?;
+    let server = tokio::spawn(
+        tonic::transport::Server::builder()
+            .timeout(Duration::from_secs(30))
+            .add_service(
+                z29c_proto::v1::review_service_server::ReviewServiceServer::new(
+                    review::Reviews::new(store.clone()),
+                ),
+            )
+            .serve_with_incoming_shutdown(
+                tokio_stream::wrappers::TcpListenerStream::new(listener),
+                shutdown.clone().cancelled_owned(),
+            ),
+    );
+    tracing::info!(id = %config.id, %addr, "recovery started; ReviewService listening");
+    if let Some(ready) = ready {
+        let _ = ready.send(addr);
+    }
     while !shutdown.is_cancelled() {
         match store.scan_expired(config.batch).await {
             Ok(expired) => {
@@ -58,5 +85,6 @@ pub async fn run(config: RecoveryConfig, shutdown: CancellationToken) -> anyhow:
             _ = tokio::time::sleep(Duration::from_millis(config.scan_ms)) => {}
         }
     }
+    server.await??;
     Ok(())
 }

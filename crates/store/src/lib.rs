@@ -10,6 +10,7 @@
 //! - [`workflows`]: submit (idempotent on a client key), get, list, cancel.
 //! - [`leases`]: claim, renew, checkpoints, receipt commit, late observations, release.
 //! - [`recovery`]: expired-lease scan, recovery leases, recovery decisions.
+//! - [`review`]: the review queue and audited resolutions.
 //! - [`events`]: the step event history (lease history, checkpoints).
 //! - [`outbox`]: the transactional outbox (claim, mark sent).
 //! - [`permits`]: adapter concurrency permits; called by the gateway alone.
@@ -20,6 +21,7 @@ pub mod leases;
 pub mod outbox;
 pub mod permits;
 pub mod recovery;
+pub mod review;
 pub mod workflows;
 
 mod fence;

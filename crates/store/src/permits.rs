@@ -47,6 +47,25 @@ macro_rules! permit_columns {
     };
 }
 
+/// Releases the permits still held for an unknown outcome of `identity`, now that the outcome
+/// is known; the release names why. Runs inside the transaction that made it known.
+pub(crate) async fn release_unknown_for(
+    conn: &mut sqlx::PgConnection,
+    identity: &str,
+    reason: &str,
+) -> Result<u64> {
+    Ok(sqlx::query(
+        "UPDATE adapter_permits
+         SET state = 'released', released_at = clock_timestamp(), release_reason = $2
+         WHERE request_identity = $1 AND state = 'unknown'",
+    )
+    .bind(identity)
+    .bind(reason)
+    .execute(conn)
+    .await?
+    .rows_affected())
+}
+
 impl Store {
     /// Sets the in-flight limit of an adapter's operation class.
     pub async fn set_permit_limit(

@@ -497,6 +497,12 @@ impl Store {
                 .fetch_one(&mut *tx)
                 .await?;
         let receipt = finish_step(&mut tx, lease, &held, attempt, observed, verification).await?;
+        crate::permits::release_unknown_for(
+            &mut tx,
+            observed.request_identity.as_str(),
+            &format!("outcome known by {verification}"),
+        )
+        .await?;
         tx.commit().await?;
         Ok(receipt)
     }

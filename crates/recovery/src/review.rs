@@ -1,0 +1,131 @@
+//! `ReviewService`: the review queue over gRPC. A resolution needs a reason and the item's
+//! current version; both failures are refused before anything changes.
+
+use tonic::{Request, Response, Status};
+use uuid::Uuid;
+use z29c_core::ExternalReference;
+use z29c_proto::v1::review_service_server::ReviewService;
+use z29c_proto::v1::{self as pb, resolve_request};
+use z29c_store::review::{Resolution, ReviewItem};
+use z29c_store::{Store, StoreError};
+
+/// Metadata naming the operator, until operator authentication lands.
+pub const OPERATOR_HEADER: &str = "x-z29c-operator";
+
+#[derive(Debug, Clone)]
+pub struct Reviews {
+    store: Store,
+}
+
+impl Reviews {
+    pub fn new(store: Store) -> Self {
+        Self { store }
+    }
+}
+
+fn status(e: StoreError) -> Status {
+    match e {
+        StoreError::Invalid { field, reason } => {
+            Status::invalid_argument(format!("{field}: {reason}"))
+        }
+        StoreError::NotFound { what } => Status::not_found(format!("{what} not found")),
+        StoreError::Conflict(msg) => Status::failed_precondition(msg),
+        StoreError::Fenced(reason) => Status::failed_precondition(format!("fenced: {reason}")),
+        StoreError::Transient(_) => Status::unavailable(e.to_string()),
+        other => {
+            tracing::error!(error = %other, "store error");
+            Status::internal("internal error")
+        }
+    }
+}
+
+fn to_wire(i: ReviewItem) -> pb::ReviewItem {
+    pb::ReviewItem {
+        id: i.id.to_string(),
+        workflow_id: i.workflow_id.to_string(),
+        step_id: i.step_id.to_string(),
+        step_name: i.step_name,
+        request_identity: i.request_identity.unwrap_or_default(),
+        reason: i.reason,
+        state: i.state,
+        version: i.version,
+        created_at: Some(prost_types_timestamp(i.created_at)),
+    }
+}
+
+fn prost_types_timestamp(t: chrono::DateTime<chrono::Utc>) -> prost_types::Timestamp {
+    prost_types::Timestamp {
+        seconds: t.timestamp(),
+        nanos: t.timestamp_subsec_nanos() as i32,
+    }
+}
+
+#[tonic::async_trait]
+impl ReviewService for Reviews {
+    async fn list(
+        &self,
+        request: Request<pb::ListReviewsRequest>,
+    ) -> Result<Response<pb::ListReviewsResponse>, Status> {
+        let req = request.into_inner();
+        let size = if req.page_size == 0 {
+            100
+        } else {
+            req.page_size.min(500)
+        };
+        let items = self
+            .store
+            .review_items(req.include_resolved, i64::from(size))
+            .await
+            .map_err(status)?;
+        Ok(Response::new(pb::ListReviewsResponse {
+            items: items.into_iter().map(to_wire).collect(),
+            next_page_token: String::new(),
+        }))
+    }
+
+    async fn resolve(
+        &self,
+        request: Request<pb::ResolveRequest>,
+    ) -> Result<Response<pb::ReviewItem>, Status> {
+        let who = request
+            .metadata()
+            .get(OPERATOR_HEADER)
+            .and_then(|v| v.to_str().ok())
+            .filter(|v| !v.trim().is_empty())
+            .unwrap_or("operator")
+            .to_owned();
+        let req = request.into_inner();
+        let item: Uuid = req
+            .item_id
+            .parse()
+            .map_err(|e| Status::invalid_argument(format!("item_id: {e}")))?;
+        if req.reason.trim().is_empty() {
+            return Err(Status::invalid_argument(
+                "reason: a resolution needs a reason",
+            ));
+        }
+        let resolution = match req.resolution {
+            Some(resolve_request::Resolution::SucceededExternalReference(r)) => {
+                Resolution::Succeeded(ExternalReference::parse(r).map_err(|e| {
+                    Status::invalid_argument(format!("succeeded_external_reference: {}", e.reason))
+                })?)
+            }
+            Some(resolve_request::Resolution::Failed(true)) => Resolution::Failed,
+            Some(resolve_request::Resolution::RetrySameIdentity(true)) => {
+                Resolution::RetrySameIdentity
+            }
+            _ => {
+                return Err(Status::invalid_argument(
+                    "resolution: one of succeeded_external_reference, failed or retry_same_identity",
+                ));
+            }
+        };
+        let resolved = self
+            .store
+            .resolve_review(item, req.expected_version, &who, &req.reason, &resolution)
+            .await
+            .map_err(status)?;
+        tracing::info!(%item, %who, resolution = ?resolution, "review item resolved");
+        Ok(Response::new(to_wire(resolved)))
+    }
+}

@@ -1,0 +1,280 @@
+//! The review queue: steps whose outcome only a person can establish. A resolution is a
+//! compare-and-set on the item's version, needs a reason, takes the step's lease first (so no
+//! stale worker can write after it), and is audited in the same transaction.
+
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use serde_json::json;
+use uuid::Uuid;
+use z29c_core::fence::FencedWrite;
+use z29c_core::{
+    AttemptId, Checkpoint, ExternalReference, InputDigest, LeaseClaim, LeaseKind, LeaseVersion,
+    Outcome, OwnerId, RequestIdentity, StepId, Verification,
+};
+
+use crate::events::{self, EventKind, NewEvent};
+use crate::leases::{Observed, finish_step};
+use crate::outbox::{self, MessageKind};
+use crate::{Result, Store, StoreError, fence};
+
+/// An item of the review queue.
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+pub struct ReviewItem {
+    pub id: Uuid,
+    pub workflow_id: Uuid,
+    pub step_id: Uuid,
+    pub step_name: String,
+    pub request_identity: Option<String>,
+    pub reason: String,
+    pub state: String,
+    pub version: i64,
+    pub created_at: DateTime<Utc>,
+}
+
+/// What a person decided.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Resolution {
+    /// The effect happened; this is the external system's reference for it.
+    Succeeded(ExternalReference),
+    /// The effect did not happen and will not be retried.
+    Failed,
+    /// Send again with the same request identity.
+    RetrySameIdentity,
+}
+
+impl Resolution {
+    const fn as_str(&self) -> &'static str {
+        match self {
+            Self::Succeeded(_) => "succeeded",
+            Self::Failed => "failed",
+            Self::RetrySameIdentity => "retry_same_identity",
+        }
+    }
+}
+
+/// A resolution as audited.
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+pub struct AuditEntry {
+    pub id: Uuid,
+    pub item_id: Uuid,
+    pub resolved_by: String,
+    pub resolution: String,
+    pub external_reference: Option<String>,
+    pub reason: String,
+    pub prior_state: String,
+    pub prior_version: i64,
+    pub resolved_at: DateTime<Utc>,
+}
+
+#[derive(sqlx::FromRow)]
+struct ItemRow {
+    step_id: Uuid,
+    state: String,
+    version: i64,
+}
+
+impl Store {
+    /// Review items, newest first; open ones only unless `include_resolved`.
+    pub async fn review_items(
+        &self,
+        include_resolved: bool,
+        limit: i64,
+    ) -> Result<Vec<ReviewItem>> {
+        Ok(sqlx::query_as(
+            "SELECT r.id, r.workflow_id, r.step_id, s.name AS step_name, r.request_identity,
+                    r.reason, r.state, r.version, r.created_at
+             FROM review_items r JOIN steps s ON s.id = r.step_id
+             WHERE $1 OR r.state = 'open'
+             ORDER BY r.created_at DESC, r.id DESC LIMIT $2",
+        )
+        .bind(include_resolved)
+        .bind(limit)
+        .fetch_all(&self.pool)
+        .await?)
+    }
+
+    pub async fn review_item(&self, id: Uuid) -> Result<ReviewItem> {
+        sqlx::query_as(
+            "SELECT r.id, r.workflow_id, r.step_id, s.name AS step_name, r.request_identity,
+                    r.reason, r.state, r.version, r.created_at
+             FROM review_items r JOIN steps s ON s.id = r.step_id WHERE r.id = $1",
+        )
+        .bind(id)
+        .fetch_optional(&self.pool)
+        .await?
+        .ok_or(StoreError::NotFound {
+            what: "review item",
+        })
+    }
+
+    /// The audit trail of one item.
+    pub async fn review_audit(&self, item: Uuid) -> Result<Vec<AuditEntry>> {
+        Ok(sqlx::query_as(
+            "SELECT id, item_id, resolved_by, resolution, external_reference, reason,
+                    prior_state, prior_version, resolved_at
+             FROM review_resolutions WHERE item_id = $1 ORDER BY resolved_at",
+        )
+        .bind(item)
+        .fetch_all(&self.pool)
+        .await?)
+    }
+
+    /// Resolves an open item at `expected_version`. A missing reason is `Invalid`; an item that
+    /// is not open or has moved on is `Conflict`. The step's lease is taken first, then the
+    /// resolution is applied, the item closed, and the audit row written — one transaction.
+    pub async fn resolve_review(
+        &self,
+        item: Uuid,
+        expected_version: i64,
+        who: &str,
+        reason: &str,
+        resolution: &Resolution,
+    ) -> Result<ReviewItem> {
+        if reason.trim().is_empty() {
+            return Err(StoreError::invalid("reason", "a resolution needs a reason"));
+        }
+        let owner = OwnerId::parse(format!("review:{who}"))
+            .map_err(|e| StoreError::invalid("resolved_by", e.reason))?;
+        let mut tx = self.pool.begin().await?;
+        let row: ItemRow = sqlx::query_as(
+            "SELECT step_id, state, version FROM review_items WHERE id = $1 FOR UPDATE",
+        )
+        .bind(item)
+        .fetch_optional(&mut *tx)
+        .await?
+        .ok_or(StoreError::NotFound {
+            what: "review item",
+        })?;
+        if row.state != "open" {
+            return Err(StoreError::Conflict(format!(
+                "review item is {}",
+                row.state
+            )));
+        }
+        if row.version != expected_version {
+            return Err(StoreError::Conflict(format!(
+                "review item is at version {}, not {expected_version}",
+                row.version
+            )));
+        }
+        // a person's decision takes the step's lease like any other writer, fencing out
+        // every earlier holder
+        let taken: Option<(i64, Option<Uuid>)> = sqlx::query_as(
+            "UPDATE steps SET state = 'recovering', lease_owner = $2,
+                 lease_version = lease_version + 1, leased_at = now(),
+                 expires_at = now() + interval '1 minute', updated_at = now()
+             WHERE id = $1 AND state = 'needs_review'
+             RETURNING lease_version, current_attempt_id",
+        )
+        .bind(row.step_id)
+        .bind(owner.as_str())
+        .fetch_optional(&mut *tx)
+        .await?;
+        let Some((version, attempt)) = taken else {
+            return Err(StoreError::Conflict(
+                "the step no longer awaits review".into(),
+            ));
+        };
+        let claim = LeaseClaim {
+            step: StepId::from_uuid(row.step_id),
+            attempt: attempt.map_or_else(AttemptId::new, AttemptId::from_uuid),
+            owner,
+            version: LeaseVersion::new(version).map_err(|e| StoreError::Corrupt(e.to_string()))?,
+            kind: LeaseKind::Recovery,
+        };
+        let write = match resolution {
+            Resolution::RetrySameIdentity => FencedWrite::Release,
+            _ => FencedWrite::Advance(Checkpoint::ReceiptCommitted),
+        };
+        let held = fence::fence(&mut tx, &claim, write).await?;
+        let identity = held.request_identity.clone();
+        let external_reference = match resolution {
+            Resolution::Succeeded(r) => Some(r.clone()),
+            _ => None,
+        };
+        match resolution {
+            Resolution::Succeeded(_) | Resolution::Failed => {
+                let request_identity = RequestIdentity::parse(identity.clone().unwrap_or_default())
+                    .map_err(|_| StoreError::invalid("step", "the step has no request identity"))?;
+                let observed = Observed {
+                    request_identity,
+                    input_digest: InputDigest::parse(held.input_digest.clone())
+                        .map_err(|e| StoreError::Corrupt(e.to_string()))?,
+                    adapter_version: "manual".into(),
+                    outcome: if external_reference.is_some() {
+                        Outcome::Succeeded
+                    } else {
+                        Outcome::Failed
+                    },
+                    external_reference: external_reference.clone(),
+                    result: json!({ "resolved_by": who, "reason": reason }),
+                };
+                finish_step(
+                    &mut tx,
+                    &claim,
+                    &held,
+                    attempt,
+                    &observed,
+                    Verification::Manual,
+                )
+                .await?;
+            }
+            Resolution::RetrySameIdentity => {
+                sqlx::query(
+                    "UPDATE steps SET state = 'ready', lease_owner = NULL, leased_at = NULL,
+                         expires_at = NULL, next_eligible_at = now(), updated_at = now()
+                     WHERE id = $1",
+                )
+                .bind(row.step_id)
+                .execute(&mut *tx)
+                .await?;
+                outbox::enqueue(
+                    &mut tx,
+                    MessageKind::StepReady,
+                    held.workflow,
+                    Some(row.step_id),
+                    json!({}),
+                )
+                .await?;
+            }
+        }
+        if let Some(identity) = &identity {
+            crate::permits::release_unknown_for(&mut tx, identity, "resolved by review").await?;
+        }
+        sqlx::query(
+            "UPDATE review_items SET state = 'resolved', version = version + 1, resolved_at = now()
+             WHERE id = $1",
+        )
+        .bind(item)
+        .execute(&mut *tx)
+        .await?;
+        sqlx::query(
+            "INSERT INTO review_resolutions (id, item_id, step_id, resolved_by, resolution,
+                 external_reference, reason, prior_state, prior_version)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
+        )
+        .bind(Uuid::now_v7())
+        .bind(item)
+        .bind(row.step_id)
+        .bind(who)
+        .bind(resolution.as_str())
+        .bind(external_reference.as_ref().map(ExternalReference::as_str))
+        .bind(reason)
+        .bind(&row.state)
+        .bind(row.version)
+        .execute(&mut *tx)
+        .await?;
+        events::append(
+            &mut tx,
+            NewEvent::by(
+                &claim,
+                held.workflow,
+                EventKind::ReviewResolved,
+                json!({ "item": item, "resolution": resolution.as_str(), "by": who, "reason": reason }),
+            ),
+        )
+        .await?;
+        tx.commit().await?;
+        self.review_item(item).await
+    }
+}
