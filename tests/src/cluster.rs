@@ -102,6 +102,7 @@ pub struct Cluster {
     executors: usize,
     recoveries: usize,
     capability: &'static str,
+    executor_stall_ms: u64,
 }
 
 /// Which processes a cluster runs.
@@ -113,6 +114,8 @@ pub struct Topology {
     pub permit_limit: u32,
     /// The `http` adapter's declared capability: idempotent, queryable or opaque.
     pub capability: &'static str,
+    /// Executors stall this long after a gateway answer, before committing (fault point).
+    pub executor_stall_ms: u64,
 }
 
 impl Default for Topology {
@@ -123,6 +126,7 @@ impl Default for Topology {
             recoveries: 0,
             permit_limit: 16,
             capability: "idempotent",
+            executor_stall_ms: 0,
         }
     }
 }
@@ -147,6 +151,7 @@ impl Cluster {
             recoveries,
             permit_limit,
             capability,
+            executor_stall_ms,
         } = t;
         let bin = z29c_binary()?;
         let db = TestDatabase::create().await?;
@@ -169,6 +174,7 @@ impl Cluster {
             executors: 0,
             recoveries: 0,
             capability,
+            executor_stall_ms,
         };
         let dest = cluster.spawn(
             "destination",
@@ -277,6 +283,10 @@ impl Cluster {
                 ("Z29C_ID", name.clone()),
                 ("Z29C_POLL_MS", "200".into()),
                 ("Z29C_SHUTDOWN_GRACE_MS", "5000".into()),
+                (
+                    "Z29C_FAULT_STALL_AFTER_RESPONSE_MS",
+                    self.executor_stall_ms.to_string(),
+                ),
             ],
         )?;
         self.processes.push(p);

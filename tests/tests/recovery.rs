@@ -276,3 +276,100 @@ async fn resolve_through_review_service(cluster: &Cluster, pool: &PgPool) -> Res
     );
     Ok(())
 }
+
+/// The essay's stale worker: worker A gets the destination's answer but stalls before
+/// committing; its lease expires; recovery asks the destination and commits the receipt; then
+/// A wakes and tries to commit. A is fenced, its observation is kept as late evidence, and the
+/// evidence converges (same reference) — or, when the destination contradicts itself, it is an
+/// integrity conflict, never an overwrite.
+async fn stale_worker(query_reference: Option<&str>) -> Result<(Cluster, PgPool)> {
+    let cluster = Cluster::start_with(Topology {
+        recoveries: 1,
+        capability: "queryable",
+        executor_stall_ms: 4_000,
+        ..Topology::default()
+    })
+    .await?;
+    let pool = cluster.db.pool(2).await?;
+    if let Some(r) = query_reference {
+        cluster
+            .set_faults("flaky", json!({ "query_reference": r }))
+            .await?;
+    }
+    let mut client = cluster.client().await?;
+    let mut req = flaky_workflow("stale-1");
+    req.steps[0].policy = Some(pb::LeasePolicy {
+        lease_ms: 1_500,
+        renew_every_ms: 500,
+        attempt_deadline_ms: 10_000,
+        final_grace_ms: 500,
+        adapter_timeout_ms: 800,
+        ..Default::default()
+    });
+    client.submit(req).await?;
+    wait_for(
+        &pool,
+        "SELECT count(*) FROM late_observations",
+        "the stale worker's late result",
+    )
+    .await?;
+    Ok((cluster, pool))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stale_workers_late_success_converges_with_recovery() -> Result<()> {
+    let (cluster, pool) = stale_worker(None).await?;
+    let (reference, verification): (String, String) =
+        sqlx::query_as("SELECT external_reference, verification::text FROM step_receipts")
+            .fetch_one(&pool)
+            .await?;
+    assert_eq!(
+        verification, "status_query",
+        "recovery, not the stale worker, committed"
+    );
+    let (late_reference, reason): (String, serde_json::Value) =
+        sqlx::query_as("SELECT external_reference, fence_reason FROM late_observations")
+            .fetch_one(&pool)
+            .await?;
+    assert_eq!(late_reference, reference, "the evidence converges");
+    assert_eq!(reason["reason"], "receipt_exists");
+    let ledger: i64 = sqlx::query_scalar("SELECT count(*) FROM destination.ledger")
+        .fetch_one(&pool)
+        .await?;
+    assert_eq!(ledger, 1);
+    let conflicts: i64 = sqlx::query_scalar("SELECT count(*) FROM integrity_conflicts")
+        .fetch_one(&pool)
+        .await?;
+    assert_eq!(conflicts, 0);
+    pool.close().await;
+    cluster.stop().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_destination_contradicting_the_stale_worker_is_an_integrity_conflict() -> Result<()> {
+    let (cluster, pool) = stale_worker(Some("dst-someone-else")).await?;
+    // recovery committed what the destination's status query said; the stale worker's
+    // different reference for the same request identity is kept, and flagged
+    let receipt: String = sqlx::query_scalar("SELECT external_reference FROM step_receipts")
+        .fetch_one(&pool)
+        .await?;
+    assert_eq!(receipt, "dst-someone-else");
+    let late: String = sqlx::query_scalar("SELECT external_reference FROM late_observations")
+        .fetch_one(&pool)
+        .await?;
+    assert_ne!(late, receipt);
+    let (known, observed): (String, String) =
+        sqlx::query_as("SELECT known_reference, observed_reference FROM integrity_conflicts")
+            .fetch_one(&pool)
+            .await?;
+    assert_eq!(
+        (known.as_str(), observed.as_str()),
+        (receipt.as_str(), late.as_str())
+    );
+    let reason: String = sqlx::query_scalar("SELECT reason FROM review_items WHERE state = 'open'")
+        .fetch_one(&pool)
+        .await?;
+    assert!(reason.starts_with("integrity conflict"), "{reason}");
+    pool.close().await;
+    cluster.stop().await
+}

@@ -42,6 +42,9 @@ pub struct Faults {
     pub idempotency_off: bool,
     /// Refuse status queries with 501.
     pub query_off: bool,
+    /// Answer status queries with this reference instead of the ledger's (a destination that
+    /// contradicts itself, for integrity-conflict tests).
+    pub query_reference: Option<String>,
 }
 
 /// The destination's state: its ledger and its fault switches.
@@ -258,11 +261,15 @@ async fn status(State(d): State<Destination>, Path(key): Path<String>) -> Respon
     .await
     .ok()
     .flatten();
-    if route.as_deref().is_some_and(|r| d.faults(r).query_off) {
+    let faults = route.as_deref().map(|r| d.faults(r)).unwrap_or_default();
+    if faults.query_off {
         return error(
             StatusCode::NOT_IMPLEMENTED,
             "status queries are switched off",
         );
+    }
+    if let Some(reference) = faults.query_reference {
+        return Json(json!({ "reference": reference, "references": [reference] })).into_response();
     }
     let found: Result<Vec<String>, _> = sqlx::query_scalar(
         "SELECT reference FROM destination.ledger WHERE idempotency_key = $1

@@ -20,6 +20,8 @@ pub struct Context {
     pub gateways: Gateways,
     /// Cancelled at shutdown: attempts that have not begun their invocation give the step back.
     pub stop: CancellationToken,
+    #[cfg(feature = "faults")]
+    pub stall_after_response: Duration,
 }
 
 /// Runs one claimed step to a receipt, a release, or a hand-over to recovery. Errors are logged
@@ -105,6 +107,14 @@ async fn attempt(ctx: &Context, step: &ClaimedStep) -> Result<(), StoreError> {
     let answer = client.invoke(request).await;
     renewal.abort();
 
+    #[cfg(feature = "faults")]
+    if !ctx.stall_after_response.is_zero() {
+        tracing::warn!(
+            ms = ctx.stall_after_response.as_millis() as u64,
+            "fault: stalling after the response"
+        );
+        tokio::time::sleep(ctx.stall_after_response).await;
+    }
     let response = match answer {
         Ok(r) => r.into_inner(),
         Err(status) => {

@@ -19,6 +19,10 @@ pub struct ExecutorConfig {
     pub poll_ms: u64,
     /// Time given to attempts in flight after a shutdown signal.
     pub shutdown_grace_ms: u64,
+    /// Fault injection (only with the `faults` feature): stall this long after the gateway
+    /// answered and before committing, as a paused process would.
+    #[cfg(feature = "faults")]
+    pub fault_stall_after_response_ms: u64,
 }
 
 impl Default for ExecutorConfig {
@@ -33,6 +37,8 @@ impl Default for ExecutorConfig {
             claim_batch: 8,
             poll_ms: 500,
             shutdown_grace_ms: 10_000,
+            #[cfg(feature = "faults")]
+            fault_stall_after_response_ms: 0,
         }
     }
 }

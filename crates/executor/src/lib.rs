@@ -66,6 +66,10 @@ pub async fn run(config: ExecutorConfig, shutdown: CancellationToken) -> anyhow:
                             store: store.clone(),
                             gateways: gateways.clone(),
                             stop: attempts_token.clone(),
+                            #[cfg(feature = "faults")]
+                            stall_after_response: Duration::from_millis(
+                                config.fault_stall_after_response_ms,
+                            ),
                         };
                         tracker.spawn(async move {
                             attempt::run(ctx, step).await;

@@ -492,6 +492,46 @@ impl Store {
         .fetch_optional(&mut *tx)
         .await?;
         let workflow = workflow.ok_or(StoreError::NotFound { what: "step" })?;
+        // evidence that contradicts the receipt for the same request identity is an integrity
+        // conflict for a person: the receipt stays, the contradiction is kept beside it
+        let receipt: Option<Option<String>> = sqlx::query_scalar(
+            "SELECT external_reference FROM step_receipts
+             WHERE step_id = $1 AND request_identity = $2",
+        )
+        .bind(claim.step.as_uuid())
+        .bind(observed.request_identity.as_str())
+        .fetch_optional(&mut *tx)
+        .await?;
+        let observed_reference = observed
+            .external_reference
+            .as_ref()
+            .map(ExternalReference::as_str);
+        if let Some(known) = receipt
+            && observed.outcome == Outcome::Succeeded
+            && known.as_deref() != observed_reference
+        {
+            sqlx::query(
+                "INSERT INTO integrity_conflicts (id, step_id, workflow_id, request_identity,
+                     known_reference, observed_reference, source, detail)
+                 VALUES ($1, $2, $3, $4, $5, $6, 'late_evidence', $7)",
+            )
+            .bind(Uuid::now_v7())
+            .bind(claim.step.as_uuid())
+            .bind(workflow)
+            .bind(observed.request_identity.as_str())
+            .bind(known.as_deref())
+            .bind(observed_reference)
+            .bind(json!({ "observation": id }))
+            .execute(&mut *tx)
+            .await?;
+            open_review(
+                &mut tx,
+                workflow,
+                claim.step.as_uuid(),
+                "integrity conflict: late evidence names a different external reference than the receipt",
+            )
+            .await?;
+        }
         events::append(
             &mut tx,
             NewEvent::by(

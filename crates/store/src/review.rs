@@ -171,9 +171,22 @@ impl Store {
         .fetch_optional(&mut *tx)
         .await?;
         let Some((version, attempt)) = taken else {
-            return Err(StoreError::Conflict(
-                "the step no longer awaits review".into(),
-            ));
+            // an item about a step that already has its receipt (an integrity conflict) can only
+            // be acknowledged: the receipt is append-only, the person's reading is audited
+            let has_receipt: bool = sqlx::query_scalar(
+                "SELECT EXISTS (SELECT 1 FROM step_receipts WHERE step_id = $1)",
+            )
+            .bind(row.step_id)
+            .fetch_one(&mut *tx)
+            .await?;
+            if !has_receipt || !matches!(resolution, Resolution::Succeeded(_)) {
+                return Err(StoreError::Conflict(
+                    "the step no longer awaits review".into(),
+                ));
+            }
+            close_and_audit(&mut tx, item, &row, who, reason, resolution).await?;
+            tx.commit().await?;
+            return self.review_item(item).await;
         };
         let claim = LeaseClaim {
             step: StepId::from_uuid(row.step_id),
@@ -241,29 +254,7 @@ impl Store {
         if let Some(identity) = &identity {
             crate::permits::release_unknown_for(&mut tx, identity, "resolved by review").await?;
         }
-        sqlx::query(
-            "UPDATE review_items SET state = 'resolved', version = version + 1, resolved_at = now()
-             WHERE id = $1",
-        )
-        .bind(item)
-        .execute(&mut *tx)
-        .await?;
-        sqlx::query(
-            "INSERT INTO review_resolutions (id, item_id, step_id, resolved_by, resolution,
-                 external_reference, reason, prior_state, prior_version)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
-        )
-        .bind(Uuid::now_v7())
-        .bind(item)
-        .bind(row.step_id)
-        .bind(who)
-        .bind(resolution.as_str())
-        .bind(external_reference.as_ref().map(ExternalReference::as_str))
-        .bind(reason)
-        .bind(&row.state)
-        .bind(row.version)
-        .execute(&mut *tx)
-        .await?;
+        close_and_audit(&mut tx, item, &row, who, reason, resolution).await?;
         events::append(
             &mut tx,
             NewEvent::by(
@@ -277,4 +268,43 @@ impl Store {
         tx.commit().await?;
         self.review_item(item).await
     }
+}
+
+/// Closes the item and writes its audit row, inside the resolving transaction.
+async fn close_and_audit(
+    conn: &mut sqlx::PgConnection,
+    item: Uuid,
+    row: &ItemRow,
+    who: &str,
+    reason: &str,
+    resolution: &Resolution,
+) -> Result<()> {
+    let external_reference = match resolution {
+        Resolution::Succeeded(r) => Some(r.as_str()),
+        _ => None,
+    };
+    sqlx::query(
+        "UPDATE review_items SET state = 'resolved', version = version + 1, resolved_at = now()
+         WHERE id = $1",
+    )
+    .bind(item)
+    .execute(&mut *conn)
+    .await?;
+    sqlx::query(
+        "INSERT INTO review_resolutions (id, item_id, step_id, resolved_by, resolution,
+             external_reference, reason, prior_state, prior_version)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
+    )
+    .bind(Uuid::now_v7())
+    .bind(item)
+    .bind(row.step_id)
+    .bind(who)
+    .bind(resolution.as_str())
+    .bind(external_reference)
+    .bind(reason)
+    .bind(&row.state)
+    .bind(row.version)
+    .execute(conn)
+    .await?;
+    Ok(())
 }
