@@ -274,6 +274,11 @@ impl Cluster {
 
     /// Starts one more executor.
     pub async fn add_executor(&mut self) -> Result<()> {
+        self.add_executor_with(&[]).await
+    }
+
+    /// Starts one more executor with extra environment (fault switches, say).
+    pub async fn add_executor_with(&mut self, extra: &[(&str, &str)]) -> Result<()> {
         self.executors += 1;
         let name = format!("executor-{}", self.executors);
         let p = self.spawn(
@@ -287,7 +292,10 @@ impl Cluster {
                     "Z29C_FAULT_STALL_AFTER_RESPONSE_MS",
                     self.executor_stall_ms.to_string(),
                 ),
-            ],
+            ]
+            .into_iter()
+            .chain(extra.iter().map(|(k, v)| (*k, (*v).to_owned())))
+            .collect::<Vec<_>>(),
         )?;
         self.processes.push(p);
         Ok(())

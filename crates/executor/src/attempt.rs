@@ -22,6 +22,20 @@ pub struct Context {
     pub stop: CancellationToken,
     #[cfg(feature = "faults")]
     pub stall_after_response: Duration,
+    #[cfg(feature = "faults")]
+    pub abort_after: Option<z29c_core::Checkpoint>,
+}
+
+impl Context {
+    /// A crash right after `checkpoint` became durable (fault builds only).
+    fn crash_point(&self, checkpoint: z29c_core::Checkpoint) {
+        #[cfg(feature = "faults")]
+        if self.abort_after == Some(checkpoint) {
+            tracing::error!(%checkpoint, "fault: aborting after checkpoint");
+            std::process::abort();
+        }
+        let _ = checkpoint;
+    }
 }
 
 /// Runs one claimed step to a receipt, a release, or a hand-over to recovery. Errors are logged
@@ -48,10 +62,12 @@ async fn attempt(ctx: &Context, step: &ClaimedStep) -> Result<(), StoreError> {
     let claimed_at = Instant::now();
     let store = &ctx.store;
     let lease = &step.lease;
+    ctx.crash_point(z29c_core::Checkpoint::AttemptCreated);
 
     store
         .persist_request_identity(lease, &step.request_identity)
         .await?;
+    ctx.crash_point(z29c_core::Checkpoint::RequestIdentityPersisted);
 
     // safe boundary: nothing has been sent yet
     if ctx.stop.is_cancelled() {
@@ -68,7 +84,10 @@ async fn attempt(ctx: &Context, step: &ClaimedStep) -> Result<(), StoreError> {
         return store.release_unbegun(lease).await;
     };
     let version = match store.begin_invocation(lease).await {
-        Ok(v) => v,
+        Ok(v) => {
+            ctx.crash_point(z29c_core::Checkpoint::InvocationBegan);
+            v
+        }
         Err(StoreError::Fenced(z29c_core::FenceReason::WorkflowForbids { .. })) => {
             // cancelled before anything was sent: stop here
             return store.release_unbegun(lease).await;

@@ -23,6 +23,11 @@ pub struct ExecutorConfig {
     /// answered and before committing, as a paused process would.
     #[cfg(feature = "faults")]
     pub fault_stall_after_response_ms: u64,
+    /// Fault injection (only with the `faults` feature): abort the process right after this
+    /// checkpoint is durable (`attempt_created`, `request_identity_persisted`,
+    /// `invocation_began`), as a crash at that boundary would.
+    #[cfg(feature = "faults")]
+    pub fault_abort_after: Option<z29c_core::Checkpoint>,
 }
 
 impl Default for ExecutorConfig {
@@ -39,6 +44,8 @@ impl Default for ExecutorConfig {
             shutdown_grace_ms: 10_000,
             #[cfg(feature = "faults")]
             fault_stall_after_response_ms: 0,
+            #[cfg(feature = "faults")]
+            fault_abort_after: None,
         }
     }
 }

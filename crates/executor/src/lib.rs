@@ -70,6 +70,8 @@ pub async fn run(config: ExecutorConfig, shutdown: CancellationToken) -> anyhow:
                             stall_after_response: Duration::from_millis(
                                 config.fault_stall_after_response_ms,
                             ),
+                            #[cfg(feature = "faults")]
+                            abort_after: config.fault_abort_after,
                         };
                         tracker.spawn(async move {
                             attempt::run(ctx, step).await;

@@ -1,0 +1,217 @@
+//! Each row of DESIGN.md §6, reached by a real executor process that crashes (aborts) right
+//! after a durable boundary, or stalls past its lease; recovery must take exactly the decision
+//! the table gives, and the workflow must end as it should.
+
+use std::time::Duration;
+
+use anyhow::{Result, bail};
+use sqlx::PgPool;
+use z29c_proto::v1::{self as pb};
+use z29c_scenarios::cluster::{Cluster, Topology, chain};
+
+fn short(key: &str) -> pb::SubmitRequest {
+    let mut req = chain(key, "table", 1);
+    req.steps[0].policy = Some(pb::LeasePolicy {
+        lease_ms: 1_500,
+        renew_every_ms: 500,
+        attempt_deadline_ms: 6_000,
+        final_grace_ms: 500,
+        adapter_timeout_ms: 800,
+        ..Default::default()
+    });
+    req
+}
+
+async fn first_decision(pool: &PgPool) -> Result<(String, String)> {
+    for _ in 0..400 {
+        let d: Option<(String, String)> = sqlx::query_as(
+            "SELECT category::text, decision::text FROM recovery_decisions ORDER BY decided_at LIMIT 1",
+        )
+        .fetch_optional(pool)
+        .await?;
+        if let Some(d) = d {
+            return Ok(d);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    bail!("recovery decided nothing")
+}
+
+/// An executor that aborts after `checkpoint`; then a healthy one joins.
+async fn crash_after(
+    checkpoint: &str,
+    capability: &'static str,
+) -> Result<(Cluster, PgPool, String, (String, String))> {
+    let mut cluster = Cluster::start_with(Topology {
+        executors: 0,
+        recoveries: 1,
+        capability,
+        ..Topology::default()
+    })
+    .await?;
+    let pool = cluster.db.pool(2).await?;
+    cluster
+        .add_executor_with(&[("Z29C_FAULT_ABORT_AFTER", checkpoint)])
+        .await?;
+    let wf = cluster
+        .client()
+        .await?
+        .submit(short(&format!("crash-{checkpoint}")))
+        .await?
+        .into_inner()
+        .workflow
+        .unwrap();
+    let decision = first_decision(&pool).await?;
+    cluster.add_executor().await?;
+    cluster
+        .wait_all_ended(std::slice::from_ref(&wf.id), Duration::from_secs(60))
+        .await?;
+    Ok((cluster, pool, wf.id, decision))
+}
+
+async fn ledger(pool: &PgPool) -> Result<i64> {
+    Ok(
+        sqlx::query_scalar("SELECT count(*) FROM destination.ledger")
+            .fetch_one(pool)
+            .await?,
+    )
+}
+
+async fn workflow_state(pool: &PgPool) -> Result<String> {
+    Ok(sqlx::query_scalar("SELECT state::text FROM workflows")
+        .fetch_one(pool)
+        .await?)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crash_before_the_request_identity_makes_the_step_ready_again() -> Result<()> {
+    let (cluster, pool, _, decision) = crash_after("attempt_created", "opaque").await?;
+    assert_eq!(
+        decision,
+        ("no_request_identity".into(), "make_ready".into())
+    );
+    assert_eq!(
+        workflow_state(&pool).await?,
+        "completed",
+        "safe to run again, even when opaque"
+    );
+    assert_eq!(ledger(&pool).await?, 1);
+    pool.close().await;
+    cluster.stop().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crash_after_the_identity_but_before_invocation_retries_with_it() -> Result<()> {
+    let (cluster, pool, _, decision) = crash_after("request_identity_persisted", "opaque").await?;
+    assert_eq!(decision, ("identity_not_invoked".into(), "retry".into()));
+    assert_eq!(workflow_state(&pool).await?, "completed");
+    assert_eq!(ledger(&pool).await?, 1);
+    let identities: i64 =
+        sqlx::query_scalar("SELECT count(DISTINCT request_identity) FROM attempts")
+            .fetch_one(&pool)
+            .await?;
+    assert_eq!(identities, 1, "the retry carried the same identity");
+    pool.close().await;
+    cluster.stop().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crash_after_invocation_began_depends_on_the_adapter() -> Result<()> {
+    // idempotent: the same key may be sent again
+    let (cluster, pool, _, decision) = crash_after("invocation_began", "idempotent").await?;
+    assert_eq!(
+        decision,
+        ("invoked_idempotent".into(), "retry_same_identity".into())
+    );
+    assert_eq!(workflow_state(&pool).await?, "completed");
+    assert_eq!(ledger(&pool).await?, 1);
+    pool.close().await;
+    cluster.stop().await?;
+
+    // queryable: ask first; the destination never saw it, so the same identity goes again
+    let (cluster, pool, _, decision) = crash_after("invocation_began", "queryable").await?;
+    assert_eq!(
+        decision,
+        ("invoked_queryable".into(), "status_query".into())
+    );
+    let decisions: Vec<String> =
+        sqlx::query_scalar("SELECT decision::text FROM recovery_decisions ORDER BY decided_at")
+            .fetch_all(&pool)
+            .await?;
+    assert_eq!(decisions, ["status_query", "retry_same_identity"]);
+    assert_eq!(workflow_state(&pool).await?, "completed");
+    assert_eq!(ledger(&pool).await?, 1);
+    pool.close().await;
+    cluster.stop().await?;
+
+    // opaque: nobody can say whether the request left, so a person decides; it did not leave
+    // here (the crash came first), which is exactly what z29c cannot know: unknown, not absent
+    let (cluster, pool, id, decision) = crash_after("invocation_began", "opaque").await?;
+    assert_eq!(decision, ("invoked_opaque".into(), "human_review".into()));
+    let wf = cluster
+        .client()
+        .await?
+        .get(pb::GetRequest { workflow_id: id })
+        .await?
+        .into_inner();
+    assert_eq!(wf.state(), pb::ProductState::NeedsReview);
+    assert_eq!(ledger(&pool).await?, 0);
+    let attempts: i64 = sqlx::query_scalar("SELECT count(*) FROM attempts")
+        .fetch_one(&pool)
+        .await?;
+    assert_eq!(attempts, 1, "never retried automatically");
+    pool.close().await;
+    cluster.stop().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_result_observed_without_a_receipt_is_reconciled_from_the_evidence() -> Result<()> {
+    // the worker sees the answer, stalls past its lease, and keeps what it saw as late
+    // evidence; recovery (started afterwards) reconciles the receipt from it
+    let mut cluster = Cluster::start_with(Topology {
+        recoveries: 0,
+        capability: "opaque",
+        executor_stall_ms: 3_000,
+        ..Topology::default()
+    })
+    .await?;
+    let pool = cluster.db.pool(2).await?;
+    let wf = cluster
+        .client()
+        .await?
+        .submit(short("observed"))
+        .await?
+        .into_inner()
+        .workflow
+        .unwrap();
+    for i in 0.. {
+        let n: i64 = sqlx::query_scalar("SELECT count(*) FROM late_observations")
+            .fetch_one(&pool)
+            .await?;
+        if n > 0 {
+            break;
+        }
+        if i > 400 {
+            bail!("no late observation");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    cluster.add_recovery().await?;
+    cluster
+        .wait_all_ended(std::slice::from_ref(&wf.id), Duration::from_secs(60))
+        .await?;
+    let decision = first_decision(&pool).await?;
+    assert_eq!(decision, ("result_observed".into(), "reconcile".into()));
+    let (verification, reference): (String, String) =
+        sqlx::query_as("SELECT verification::text, external_reference FROM step_receipts")
+            .fetch_one(&pool)
+            .await?;
+    assert_eq!(verification, "late_evidence");
+    let in_ledger: String = sqlx::query_scalar("SELECT reference FROM destination.ledger")
+        .fetch_one(&pool)
+        .await?;
+    assert_eq!(reference, in_ledger);
+    assert_eq!(workflow_state(&pool).await?, "completed");
+    pool.close().await;
+    cluster.stop().await
+}
