@@ -328,3 +328,55 @@ fn prost_encode(e: &pb::Envelope) -> Vec<u8> {
     use prost::Message;
     e.encode_to_vec()
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_submissions_name_the_field_and_store_nothing() -> Result<()> {
+    let cluster = Cluster::start(1, 0, 16).await?;
+    let pool = cluster.db.pool(2).await?;
+    let mut client = cluster.client().await?;
+    let mut cases: Vec<(pb::SubmitRequest, &str)> = Vec::new();
+    let mut r = chain("bad-1", "x", 1);
+    r.steps[0].adapter = "carrier-pigeon".into();
+    cases.push((r, "steps[0].adapter"));
+    let mut r = chain("bad-2", "x", 2);
+    r.steps[0].depends_on = vec!["s1".into()];
+    cases.push((r, "steps: dependency cycle"));
+    let mut r = chain("bad-3", "x", 1);
+    r.steps[0].policy = Some(pb::LeasePolicy {
+        lease_ms: 10,
+        ..Default::default()
+    });
+    cases.push((r, "steps[0].policy.lease_ms"));
+    let mut r = chain("bad-4", "x", 1);
+    r.steps[0].input_json = format!("{{\"blob\":\"{}\"}}", "x".repeat(70 * 1024));
+    cases.push((r, "steps[0].input"));
+    let mut r = chain("bad-5", "x", 1);
+    r.steps[0].input_json = "{not json".into();
+    cases.push((r, "steps[0].input_json"));
+    let mut r = chain("bad-6", "x", 1);
+    r.client_key = String::new();
+    cases.push((r, "client_key"));
+    for (req, field) in cases {
+        let status = client.submit(req).await.unwrap_err();
+        assert_eq!(
+            status.code(),
+            tonic::Code::InvalidArgument,
+            "{field}: {status:?}"
+        );
+        assert!(
+            status.message().starts_with(field),
+            "{field}: {}",
+            status.message()
+        );
+    }
+    // the same key with a different payload
+    client.submit(chain("good", "x", 1)).await?;
+    let status = client.submit(chain("good", "y", 1)).await.unwrap_err();
+    assert_eq!(status.code(), tonic::Code::FailedPrecondition);
+    let n: i64 = sqlx::query_scalar("SELECT count(*) FROM workflows")
+        .fetch_one(&pool)
+        .await?;
+    assert_eq!(n, 1, "nothing of the refused submissions was stored");
+    pool.close().await;
+    cluster.stop().await
+}

@@ -26,6 +26,46 @@ where
     Ok(figment.extract()?)
 }
 
+/// The whole `main` of a service binary: `--config FILE` and `--dump-config` from the command
+/// line, configuration layered as [`load_config`] does, tracing, signals, then `run`.
+pub fn service_main<C, F, Fut>(name: &str, run: F) -> anyhow::Result<()>
+where
+    C: Serialize + DeserializeOwned + Default,
+    F: FnOnce(C, CancellationToken) -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<()>>,
+{
+    let mut config_file = None;
+    let mut dump = false;
+    let mut args = std::env::args().skip(1);
+    while let Some(arg) = args.next() {
+        match arg.as_str() {
+            "--config" => {
+                config_file = Some(std::path::PathBuf::from(
+                    args.next()
+                        .ok_or_else(|| anyhow::anyhow!("--config needs a file"))?,
+                ))
+            }
+            "--dump-config" => dump = true,
+            other => anyhow::bail!(
+                "{name}: unknown argument {other:?} (use --config FILE, --dump-config)"
+            ),
+        }
+    }
+    let config: C = load_config(config_file.as_deref())?;
+    if dump {
+        #[allow(clippy::print_stdout)]
+        {
+            println!("{}", toml::to_string_pretty(&config)?);
+        }
+        return Ok(());
+    }
+    init_tracing();
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?
+        .block_on(async move { run(config, shutdown_token()).await })
+}
+
 /// A token cancelled on the first SIGINT or SIGTERM; a second signal exits the process at once.
 pub fn shutdown_token() -> CancellationToken {
     let token = CancellationToken::new();
