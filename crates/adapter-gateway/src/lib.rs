@@ -71,7 +71,8 @@ pub async fn run(
     };
     bus.register_gateway(&record).await?;
     let registration = {
-        let (bus, record, shutdown) = (bus.clone(), record.clone(), shutdown.clone());
+        let (bus, record, shutdown, store) =
+            (bus.clone(), record.clone(), shutdown.clone(), store.clone());
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(Duration::from_secs(3));
             loop {
@@ -80,6 +81,12 @@ pub async fn run(
                     _ = tick.tick() => {
                         if let Err(e) = bus.register_gateway(&record).await {
                             tracing::warn!(error = %e, "gateway registration refresh failed");
+                        }
+                        // permits whose hold or safety window ran out: record their end
+                        match store.close_expired_permits().await {
+                            Ok(0) => {}
+                            Ok(n) => tracing::info!(permits = n, "expired permits closed"),
+                            Err(e) => tracing::warn!(error = %e, "closing expired permits failed"),
                         }
                     }
                 }

@@ -173,6 +173,22 @@ impl Store {
         Ok(())
     }
 
+    /// Records the end of permits whose time ran out without a release (a holder that died, or
+    /// an unknown outcome whose safety window passed): they stopped counting at `expires_at`,
+    /// and now the history says so and why. Returns how many were closed.
+    pub async fn close_expired_permits(&self) -> Result<u64> {
+        Ok(sqlx::query(
+            "UPDATE adapter_permits
+             SET state = 'released', released_at = greatest(expires_at, acquired_at),
+                 release_reason = CASE WHEN state = 'unknown' THEN 'safety window passed'
+                                       ELSE 'hold expired' END
+             WHERE state <> 'released' AND expires_at <= clock_timestamp()",
+        )
+        .execute(&self.pool)
+        .await?
+        .rows_affected())
+    }
+
     /// Every permit of an adapter's operation class, oldest first: the history that shows the
     /// limit was never exceeded.
     pub async fn permit_history(
