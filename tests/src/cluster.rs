@@ -252,6 +252,11 @@ impl Cluster {
 
     /// Starts one more recovery worker.
     pub async fn add_recovery(&mut self) -> Result<()> {
+        self.add_recovery_with(&[]).await
+    }
+
+    /// Starts one more recovery worker with extra environment.
+    pub async fn add_recovery_with(&mut self, extra: &[(&str, &str)]) -> Result<()> {
         self.recoveries += 1;
         let name = format!("recovery-{}", self.recoveries);
         let port = free_port()?;
@@ -262,7 +267,10 @@ impl Cluster {
                 ("Z29C_ID", name.clone()),
                 ("Z29C_SCAN_MS", "200".into()),
                 ("Z29C_LISTEN", format!("127.0.0.1:{port}")),
-            ],
+            ]
+            .into_iter()
+            .chain(extra.iter().map(|(k, v)| (*k, (*v).to_owned())))
+            .collect::<Vec<_>>(),
         )?;
         self.processes.push(p);
         wait_for_port(port).await?;

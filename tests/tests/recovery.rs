@@ -373,3 +373,82 @@ async fn a_destination_contradicting_the_stale_worker_is_an_integrity_conflict()
     pool.close().await;
     cluster.stop().await
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_recovery_worker_killed_mid_decision_leaves_nothing_half_done() -> Result<()> {
+    let mut cluster = Cluster::start_with(Topology {
+        recoveries: 0,
+        capability: "queryable",
+        ..Topology::default()
+    })
+    .await?;
+    let pool = cluster.db.pool(2).await?;
+    // the response is lost, and the status query hangs long enough to kill recovery inside it
+    cluster
+        .set_faults(
+            "flaky",
+            json!({ "drop_response": true, "query_delay_ms": 60_000 }),
+        )
+        .await?;
+    let wf = cluster
+        .client()
+        .await?
+        .submit(flaky_workflow("killed-recovery"))
+        .await?
+        .into_inner()
+        .workflow
+        .unwrap();
+    cluster
+        .add_recovery_with(&[("Z29C_RECOVERY_LEASE_MS", "2000")])
+        .await?;
+    wait_for(
+        &pool,
+        "SELECT count(*) FROM recovery_decisions WHERE decision = 'status_query'",
+        "the first status query",
+    )
+    .await?;
+    cluster
+        .process("recovery-1")
+        .expect("recovery-1")
+        .kill()
+        .await?;
+    // what the killed worker left: a recorded decision and a recovery lease that will expire
+    let (state, owner): (String, Option<String>) =
+        sqlx::query_as("SELECT state::text, lease_owner FROM steps")
+            .fetch_one(&pool)
+            .await?;
+    assert_eq!(
+        (state.as_str(), owner.as_deref()),
+        ("recovering", Some("recovery-1"))
+    );
+    cluster.set_faults("flaky", json!({})).await?;
+    cluster
+        .add_recovery_with(&[("Z29C_RECOVERY_LEASE_MS", "2000")])
+        .await?;
+    cluster
+        .wait_all_ended(std::slice::from_ref(&wf.id), Duration::from_secs(60))
+        .await?;
+    let decisions: Vec<(String, String, i64)> = sqlx::query_as(
+        "SELECT owner, decision::text, lease_version FROM recovery_decisions ORDER BY decided_at",
+    )
+    .fetch_all(&pool)
+    .await?;
+    assert_eq!(decisions[0].0, "recovery-1");
+    assert!(
+        decisions[1..]
+            .iter()
+            .all(|d| d.0 == "recovery-2" && d.2 > decisions[0].2),
+        "the second worker decided under a newer lease: {decisions:?}"
+    );
+    let (verification, receipts): (String, i64) =
+        sqlx::query_as("SELECT min(verification::text), count(*) FROM step_receipts")
+            .fetch_one(&pool)
+            .await?;
+    assert_eq!((verification.as_str(), receipts), ("status_query", 1));
+    let ledger: i64 = sqlx::query_scalar("SELECT count(*) FROM destination.ledger")
+        .fetch_one(&pool)
+        .await?;
+    assert_eq!(ledger, 1);
+    pool.close().await;
+    cluster.stop().await
+}

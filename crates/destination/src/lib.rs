@@ -45,6 +45,8 @@ pub struct Faults {
     /// Answer status queries with this reference instead of the ledger's (a destination that
     /// contradicts itself, for integrity-conflict tests).
     pub query_reference: Option<String>,
+    /// Wait this long before answering a status query.
+    pub query_delay_ms: u64,
 }
 
 /// The destination's state: its ledger and its fault switches.
@@ -262,6 +264,9 @@ async fn status(State(d): State<Destination>, Path(key): Path<String>) -> Respon
     .ok()
     .flatten();
     let faults = route.as_deref().map(|r| d.faults(r)).unwrap_or_default();
+    if faults.query_delay_ms > 0 {
+        tokio::time::sleep(Duration::from_millis(faults.query_delay_ms)).await;
+    }
     if faults.query_off {
         return error(
             StatusCode::NOT_IMPLEMENTED,

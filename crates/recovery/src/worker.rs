@@ -43,10 +43,11 @@ pub async fn recover(ctx: &Context, expired: &ExpiredLease) -> Result<(), StoreE
     };
     let gateways = Gateways::new(ctx.bus.clone());
     let chosen = gateways.for_adapter(&rec.snapshot.adapter).await;
-    // an adapter nobody serves now cannot promise anything: treat it as opaque
-    let capability = chosen
-        .as_ref()
-        .map_or(AdapterCapability::Opaque, |c| c.capability);
+    let capability = match &chosen {
+        Some(c) => described_capability(c, &rec.snapshot.adapter).await,
+        // an adapter nobody serves now cannot promise anything: treat it as opaque
+        None => AdapterCapability::Opaque,
+    };
     let evidence = rec.snapshot.evidence(capability);
     let (category, decision) = classify(&evidence);
     tracing::info!(
@@ -203,6 +204,34 @@ pub async fn recover(ctx: &Context, expired: &ExpiredLease) -> Result<(), StoreE
         }
     }
     Ok(())
+}
+
+/// The capability the gateway itself declares for the adapter (its Describe answer); an
+/// adapter it does not describe, or a gateway that does not answer, promises nothing.
+async fn described_capability(
+    chosen: &z29c_bus::gateways::Chosen,
+    adapter: &str,
+) -> AdapterCapability {
+    use z29c_proto::v1::AdapterCapability as Wire;
+    let mut client = chosen.client.clone();
+    let mut req = tonic::Request::new(z29c_proto::v1::DescribeRequest {});
+    req.set_timeout(QUERY_TIMEOUT);
+    match client.describe(req).await {
+        Ok(r) => r
+            .into_inner()
+            .adapters
+            .into_iter()
+            .find(|a| a.name == adapter)
+            .map_or(AdapterCapability::Opaque, |a| match a.capability() {
+                Wire::Idempotent => AdapterCapability::Idempotent,
+                Wire::Queryable => AdapterCapability::Queryable,
+                Wire::Opaque | Wire::Unspecified => AdapterCapability::Opaque,
+            }),
+        Err(status) => {
+            tracing::warn!(gateway = %chosen.gateway, %status, "describe failed; treating the adapter as opaque");
+            AdapterCapability::Opaque
+        }
+    }
 }
 
 fn observed(
