@@ -95,6 +95,8 @@ pub struct Cluster {
     pub destination_url: String,
     /// `ReviewService` of the first recovery instance.
     pub review_url: String,
+    /// `/metrics` of the first recovery instance.
+    pub recovery_metrics_url: String,
     pub processes: Vec<Process>,
     dir: PathBuf,
     bin: PathBuf,
@@ -167,6 +169,7 @@ impl Cluster {
             scheduler_url: String::new(),
             destination_url: format!("http://127.0.0.1:{destination_port}"),
             review_url: String::new(),
+            recovery_metrics_url: String::new(),
             processes: Vec::new(),
             dir,
             bin,
@@ -260,6 +263,7 @@ impl Cluster {
         self.recoveries += 1;
         let name = format!("recovery-{}", self.recoveries);
         let port = free_port()?;
+        let metrics_port = free_port()?;
         let p = self.spawn(
             &name,
             &["recovery"],
@@ -267,6 +271,7 @@ impl Cluster {
                 ("Z29C_ID", name.clone()),
                 ("Z29C_SCAN_MS", "200".into()),
                 ("Z29C_LISTEN", format!("127.0.0.1:{port}")),
+                ("Z29C_METRICS_LISTEN", format!("127.0.0.1:{metrics_port}")),
             ]
             .into_iter()
             .chain(extra.iter().map(|(k, v)| (*k, (*v).to_owned())))
@@ -276,6 +281,7 @@ impl Cluster {
         wait_for_port(port).await?;
         if self.review_url.is_empty() {
             self.review_url = format!("http://127.0.0.1:{port}");
+            self.recovery_metrics_url = format!("http://127.0.0.1:{metrics_port}/metrics");
         }
         Ok(())
     }

@@ -370,6 +370,30 @@ async fn a_destination_contradicting_the_stale_worker_is_an_integrity_conflict()
         .fetch_one(&pool)
         .await?;
     assert!(reason.starts_with("integrity conflict"), "{reason}");
+    // and a metric at the step-knowledge level, scraped from recovery's /metrics
+    let mut scraped = String::new();
+    for _ in 0..100 {
+        scraped = reqwest::get(&cluster.recovery_metrics_url)
+            .await?
+            .text()
+            .await?;
+        if scraped.contains("z29c_step_integrity_conflicts 1") {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        scraped.contains("z29c_step_integrity_conflicts 1"),
+        "{scraped}"
+    );
+    assert!(
+        scraped.contains("z29c_step_review_items_open 1"),
+        "{scraped}"
+    );
+    assert!(
+        scraped.contains("z29c_step_recovery_decisions_total{category=\"invoked_queryable\",decision=\"status_query\",capability=\"queryable\"} 1"),
+        "{scraped}"
+    );
     pool.close().await;
     cluster.stop().await
 }

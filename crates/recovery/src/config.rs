@@ -9,6 +9,8 @@ pub struct RecoveryConfig {
     pub id: String,
     /// Where `ReviewService` listens.
     pub listen: std::net::SocketAddr,
+    /// Where `/metrics` is served (Prometheus), if anywhere.
+    pub metrics_listen: Option<std::net::SocketAddr>,
     pub database_url: String,
     pub max_connections: u32,
     pub nats_url: String,
@@ -26,6 +28,7 @@ impl Default for RecoveryConfig {
         Self {
             id: "recovery-1".into(),
             listen: "127.0.0.1:50053".parse().expect("literal address"),
+            metrics_listen: None,
             database_url: "postgres://postgres:postgres@127.0.0.1:5432/z29c".into(),
             max_connections: 4,
             nats_url: "nats://127.0.0.1:4222".into(),

@@ -45,6 +45,9 @@ pub async fn run(
         owner,
         hold: Duration::from_millis(config.recovery_lease_ms),
     };
+    if let Some(addr) = config.metrics_listen {
+        z29c_telemetry::serve_prometheus(addr).context("serve /metrics")?;
+    }
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .with_context(|| format!("bind {}", config.listen))?;
@@ -79,6 +82,11 @@ pub async fn run(
                 }
             }
             Err(e) => tracing::warn!(error = %e, "expired-lease scan failed"),
+        }
+        if let Ok((open, conflicts)) = store.knowledge_counts().await {
+            z29c_telemetry::metrics::gauge!(z29c_telemetry::REVIEW_ITEMS_OPEN).set(open as f64);
+            z29c_telemetry::metrics::gauge!(z29c_telemetry::INTEGRITY_CONFLICTS)
+                .set(conflicts as f64);
         }
         tokio::select! {
             _ = shutdown.cancelled() => {}

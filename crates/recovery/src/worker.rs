@@ -41,6 +41,7 @@ pub async fn recover(ctx: &Context, expired: &ExpiredLease) -> Result<(), StoreE
         }
         Err(e) => return Err(e),
     };
+    z29c_telemetry::metrics::counter!(z29c_telemetry::LEASE_RECOVERIES).increment(1);
     let gateways = Gateways::new(ctx.bus.clone());
     let chosen = gateways.for_adapter(&rec.snapshot.adapter).await;
     let capability = match &chosen {
@@ -66,9 +67,7 @@ pub async fn recover(ctx: &Context, expired: &ExpiredLease) -> Result<(), StoreE
     };
     match decision {
         RecoveryDecision::StatusQuery => {
-            ctx.store
-                .record_decision(lease, &record(decision, json!({})))
-                .await?;
+            decide(ctx, lease, &record(decision, json!({}))).await?;
             let answer = match chosen {
                 Some(mut c) => {
                     let mut req = tonic::Request::new(QueryRequest {
@@ -104,31 +103,29 @@ pub async fn recover(ctx: &Context, expired: &ExpiredLease) -> Result<(), StoreE
                 Ok(Some(query_response::Status::NotFound(_))) => {
                     // the destination never accepted the request: sending it again, under the
                     // same identity, is safe
-                    ctx.store
-                        .record_decision(
-                            lease,
-                            &record(
-                                RecoveryDecision::RetrySameIdentity,
-                                json!({ "reason": "status query found no such request" }),
-                            ),
-                        )
-                        .await?;
+                    decide(
+                        ctx,
+                        lease,
+                        &record(
+                            RecoveryDecision::RetrySameIdentity,
+                            json!({ "reason": "status query found no such request" }),
+                        ),
+                    )
+                    .await?;
                 }
                 other => {
                     let reason = format!("status query gave no answer: {other:?}");
-                    ctx.store
-                        .record_decision(
-                            lease,
-                            &record(RecoveryDecision::HumanReview, json!({ "reason": reason })),
-                        )
-                        .await?;
+                    decide(
+                        ctx,
+                        lease,
+                        &record(RecoveryDecision::HumanReview, json!({ "reason": reason })),
+                    )
+                    .await?;
                 }
             }
         }
         RecoveryDecision::Reconcile => {
-            ctx.store
-                .record_decision(lease, &record(decision, json!({})))
-                .await?;
+            decide(ctx, lease, &record(decision, json!({}))).await?;
             let matching = snap.matching_observations();
             let references: Vec<&str> = matching
                 .iter()
@@ -168,8 +165,7 @@ pub async fn recover(ctx: &Context, expired: &ExpiredLease) -> Result<(), StoreE
                             "late_evidence",
                         )
                         .await?;
-                    ctx.store
-                        .record_decision(
+                    decide(ctx,
                             lease,
                             &record(
                                 RecoveryDecision::HumanReview,
@@ -179,8 +175,7 @@ pub async fn recover(ctx: &Context, expired: &ExpiredLease) -> Result<(), StoreE
                         .await?;
                 }
                 (None, _) => {
-                    ctx.store
-                        .record_decision(
+                    decide(ctx,
                             lease,
                             &record(
                                 RecoveryDecision::HumanReview,
@@ -198,12 +193,27 @@ pub async fn recover(ctx: &Context, expired: &ExpiredLease) -> Result<(), StoreE
                 }),
                 _ => json!({}),
             };
-            ctx.store
-                .record_decision(lease, &record(decision, detail))
-                .await?;
+            decide(ctx, lease, &record(decision, detail)).await?;
         }
     }
     Ok(())
+}
+
+/// Records a decision and counts it by category, decision and capability.
+async fn decide(
+    ctx: &Context,
+    lease: &LeaseClaim,
+    record: &DecisionRecord,
+) -> Result<uuid::Uuid, StoreError> {
+    let id = ctx.store.record_decision(lease, record).await?;
+    z29c_telemetry::metrics::counter!(
+        z29c_telemetry::RECOVERY_DECISIONS,
+        "category" => record.category.as_str(),
+        "decision" => record.decision.as_str(),
+        "capability" => record.capability.as_str(),
+    )
+    .increment(1);
+    Ok(id)
 }
 
 /// The capability the gateway itself declares for the adapter (its Describe answer); an
@@ -291,8 +301,7 @@ async fn commit_or_conflict(
                 verification.as_str(),
             )
             .await?;
-        ctx.store
-            .record_decision(
+        decide(ctx,
                 lease,
                 &DecisionRecord {
                     category,

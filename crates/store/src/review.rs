@@ -107,6 +107,16 @@ impl Store {
         })
     }
 
+    /// Open review items and integrity conflicts on record, for the step-knowledge gauges.
+    pub async fn knowledge_counts(&self) -> Result<(i64, i64)> {
+        Ok(sqlx::query_as(
+            "SELECT (SELECT count(*) FROM review_items WHERE state = 'open'),
+                    (SELECT count(*) FROM integrity_conflicts)",
+        )
+        .fetch_one(&self.pool)
+        .await?)
+    }
+
     /// The audit trail of one item.
     pub async fn review_audit(&self, item: Uuid) -> Result<Vec<AuditEntry>> {
         Ok(sqlx::query_as(
