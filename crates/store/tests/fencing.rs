@@ -747,3 +747,74 @@ async fn lease_history_is_recorded_as_step_events(pool: PgPool) {
         ]
     );
 }
+
+#[sqlx::test(migrator = "MIGRATOR")]
+async fn a_receipt_found_under_an_expired_lease_is_only_acknowledged(pool: PgPool) {
+    // Unreachable through the protocol (a receipt ends its lease in the same transaction), so
+    // the state is forced here: if it ever arises, recovery acknowledges and never re-executes.
+    let store = Store::from_pool(pool.clone());
+    let c = claimed_single(&store, "k1", "worker-a").await;
+    invoke(&store, &c).await;
+    store
+        .commit_receipt(&c.lease, &success(&c, "dest-1"))
+        .await
+        .unwrap();
+    sqlx::query(
+        "UPDATE steps SET state = 'leased', lease_owner = 'worker-a',
+             leased_at = now() - interval '1 hour', expires_at = now() - interval '1 second'
+         WHERE id = $1",
+    )
+    .bind(c.lease.step.as_uuid())
+    .execute(&pool)
+    .await
+    .unwrap();
+    let rec = store
+        .take_recovery_lease(
+            c.lease.step,
+            c.lease.version,
+            &owner("recovery-1"),
+            Duration::from_secs(30),
+        )
+        .await
+        .unwrap();
+    let (category, decision) =
+        z29c_core::classify(&rec.snapshot.evidence(z29c_core::AdapterCapability::Opaque));
+    assert_eq!(
+        (category, decision),
+        (
+            RecoveryCategory::ReceiptExists,
+            RecoveryDecision::AcknowledgeOnly
+        )
+    );
+    store
+        .record_decision(
+            &rec.lease,
+            &DecisionRecord {
+                category,
+                decision,
+                capability: z29c_core::AdapterCapability::Opaque,
+                detail: json!({}),
+            },
+        )
+        .await
+        .unwrap();
+    let wf = store.workflow(c.workflow).await.unwrap();
+    assert_eq!(wf.steps[0].state, StepState::Completed);
+    assert!(
+        store
+            .claim(&owner("worker-b"), 10)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    assert_eq!(
+        count(
+            &pool,
+            "SELECT count(*) FROM attempts WHERE step_id = $1",
+            c.lease.step
+        )
+        .await,
+        1,
+        "nothing was executed again"
+    );
+}
