@@ -51,6 +51,8 @@ fn free_port() -> Result<u16> {
 pub struct Process {
     pub name: String,
     child: Child,
+    args: Vec<String>,
+    env: Vec<(String, String)>,
 }
 
 impl Process {
@@ -67,6 +69,21 @@ impl Process {
             bail!("kill {sig} {pid} failed");
         }
         Ok(())
+    }
+
+    /// SIGSTOP: the process freezes, its sockets stay open, its leases run out.
+    pub fn pause(&self) -> Result<()> {
+        self.signal("-STOP")
+    }
+
+    /// SIGCONT after [`Process::pause`].
+    pub fn resume(&self) -> Result<()> {
+        self.signal("-CONT")
+    }
+
+    /// Whether the process has exited (crashed at a fault point, say).
+    pub fn exited(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(Some(_)))
     }
 
     /// SIGKILL: no goodbye.
@@ -105,10 +122,12 @@ pub struct Cluster {
     recoveries: usize,
     capability: &'static str,
     executor_stall_ms: u64,
+    /// NATS this cluster talks to.
+    pub nats_url: String,
 }
 
 /// Which processes a cluster runs.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct Topology {
     pub gateways: usize,
     pub executors: usize,
@@ -118,6 +137,10 @@ pub struct Topology {
     pub capability: &'static str,
     /// Executors stall this long after a gateway answer, before committing (fault point).
     pub executor_stall_ms: u64,
+    /// NATS to use instead of the machine's (a scenario's own server, to restart).
+    pub nats_url: Option<String>,
+    /// PostgreSQL server to create the test database on instead of `DATABASE_URL`'s.
+    pub postgres_admin_url: Option<String>,
 }
 
 impl Default for Topology {
@@ -129,6 +152,8 @@ impl Default for Topology {
             permit_limit: 16,
             capability: "idempotent",
             executor_stall_ms: 0,
+            nats_url: None,
+            postgres_admin_url: None,
         }
     }
 }
@@ -154,9 +179,14 @@ impl Cluster {
             permit_limit,
             capability,
             executor_stall_ms,
+            nats_url: nats,
+            postgres_admin_url,
         } = t;
         let bin = z29c_binary()?;
-        let db = TestDatabase::create().await?;
+        let db = match &postgres_admin_url {
+            Some(url) => TestDatabase::create_on(url).await?,
+            None => TestDatabase::create().await?,
+        };
         let prefix = format!("s{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
         let dir = std::env::temp_dir().join(format!("z29c-{prefix}"));
         std::fs::create_dir_all(&dir)?;
@@ -178,6 +208,7 @@ impl Cluster {
             recoveries: 0,
             capability,
             executor_stall_ms,
+            nats_url: nats.unwrap_or_else(nats_url),
         };
         let dest = cluster.spawn(
             "destination",
@@ -212,7 +243,7 @@ impl Cluster {
         let mut cmd = Command::new(&self.bin);
         cmd.args(args)
             .env("Z29C_DATABASE_URL", self.db.url())
-            .env("Z29C_NATS_URL", nats_url())
+            .env("Z29C_NATS_URL", &self.nats_url)
             .env("Z29C_PREFIX", &self.prefix)
             .env("RUST_LOG", "info")
             .stdout(Stdio::null())
@@ -224,22 +255,76 @@ impl Cluster {
         Ok(Process {
             name: name.to_owned(),
             child: cmd.spawn().with_context(|| format!("start {name}"))?,
+            args: args.iter().map(|a| (*a).to_owned()).collect(),
+            env: env.iter().map(|(k, v)| ((*k).to_owned(), v.clone())).collect(),
         })
+    }
+
+    /// Starts a process that was killed again, with the same arguments and environment but
+    /// `drop_env` removed (a fault switch, say), and waits for its port if it listens.
+    pub async fn restart(&mut self, name: &str, drop_env: &[&str]) -> Result<()> {
+        let i = self
+            .processes
+            .iter()
+            .position(|p| p.name == name)
+            .with_context(|| format!("no process {name}"))?;
+        let old = &mut self.processes[i];
+        if !old.exited() {
+            old.kill().await?;
+        }
+        let args: Vec<String> = old.args.clone();
+        let env: Vec<(String, String)> = old
+            .env
+            .iter()
+            .filter(|(k, _)| !drop_env.contains(&k.as_str()))
+            .cloned()
+            .collect();
+        let listen = env
+            .iter()
+            .find(|(k, _)| k == "Z29C_LISTEN")
+            .and_then(|(_, v)| v.rsplit(':').next()?.parse::<u16>().ok());
+        let args_ref: Vec<&str> = args.iter().map(String::as_str).collect();
+        let env_ref: Vec<(&str, String)> =
+            env.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
+        let log_name = format!("{name}.{}", uuid::Uuid::new_v4().simple());
+        let mut p = self.spawn(&log_name, &args_ref, &env_ref)?;
+        p.name = name.to_owned();
+        self.processes[i] = p;
+        if let Some(port) = listen {
+            wait_for_port(port).await?;
+        }
+        Ok(())
+    }
+
+    /// Where this cluster's logs and configuration live.
+    pub fn dir(&self) -> &std::path::Path {
+        &self.dir
     }
 
     /// Starts one more gateway; it registers itself and adds capacity.
     pub async fn add_gateway(&mut self, permit_limit: u32) -> Result<()> {
+        self.add_gateway_with(permit_limit, &[]).await
+    }
+
+    /// Starts one more gateway with extra environment. It serves the adapter `http` with the
+    /// topology's capability, and `http-idempotent`, `http-queryable` and `http-opaque`, all
+    /// on the destination, for runs that mix capabilities.
+    pub async fn add_gateway_with(&mut self, permit_limit: u32, extra: &[(&str, &str)]) -> Result<()> {
         self.gateways += 1;
         let port = free_port()?;
         let config = self.dir.join(format!("gateway-{}.toml", self.gateways));
-        std::fs::write(
-            &config,
+        let adapter = |name: &str, capability: &str| {
             format!(
-                "[[adapters]]\nname = \"http\"\nversion = \"http/1\"\nbase_url = \"{}\"\n\
-                 capability = \"{}\"\ndefault_limit = {permit_limit}\nsafety_window_ms = 5000\n",
-                self.destination_url, self.capability
-            ),
-        )?;
+                "[[adapters]]\nname = \"{name}\"\nversion = \"http/1\"\nbase_url = \"{}\"\n\
+                 capability = \"{capability}\"\ndefault_limit = {permit_limit}\nsafety_window_ms = 5000\n",
+                self.destination_url
+            )
+        };
+        let mut toml = adapter("http", self.capability);
+        for c in ["idempotent", "queryable", "opaque"] {
+            toml.push_str(&adapter(&format!("http-{c}"), c));
+        }
+        std::fs::write(&config, toml)?;
         let name = format!("gateway-{}", self.gateways);
         let p = self.spawn(
             &name,
@@ -247,7 +332,10 @@ impl Cluster {
             &[
                 ("Z29C_ID", name.clone()),
                 ("Z29C_LISTEN", format!("127.0.0.1:{port}")),
-            ],
+            ]
+            .into_iter()
+            .chain(extra.iter().map(|(k, v)| (*k, (*v).to_owned())))
+            .collect::<Vec<_>>(),
         )?;
         self.processes.push(p);
         wait_for_port(port).await
@@ -347,12 +435,17 @@ impl Cluster {
             }
             let mut still = Vec::new();
             for id in pending {
-                let w = client
+                // a scheduler that lost its database for a moment answers again shortly
+                let Ok(w) = client
                     .get(pb::GetRequest {
                         workflow_id: id.clone(),
                     })
-                    .await?
-                    .into_inner();
+                    .await
+                else {
+                    still.push(id);
+                    continue;
+                };
+                let w = w.into_inner();
                 let ended = matches!(
                     w.state(),
                     pb::ProductState::Completed
@@ -379,13 +472,14 @@ impl Cluster {
             prefix,
             mut processes,
             dir,
+            nats_url,
             ..
         } = self;
         for p in &mut processes {
             let _ = p.signal("-KILL");
             let _ = p.child.wait().await;
         }
-        if let Ok(bus) = z29c_bus::Bus::connect(&nats_url(), &prefix).await {
+        if let Ok(bus) = z29c_bus::Bus::connect(&nats_url, &prefix).await {
             let _ = bus.delete_stream().await;
         }
         let _ = std::fs::remove_dir_all(&dir);

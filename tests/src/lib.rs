@@ -1,9 +1,16 @@
 //! `z29c-scenarios`: the harness that runs z29c against real PostgreSQL and NATS.
 //!
-//! For now it owns the isolation every scenario needs: a throwaway database per test, created
-//! from `DATABASE_URL`, migrated with the embedded migrations, and dropped afterwards, so
-//! scenarios run in parallel and leave nothing behind. Service processes, fault injection and
-//! invariant checks build on it in later work.
+//! It owns the isolation every scenario needs: a throwaway database per test, created from
+//! `DATABASE_URL`, migrated with the embedded migrations, and dropped afterwards, so scenarios
+//! run in parallel and leave nothing behind.
+//!
+//! # Layout
+//! - [`cluster`]: real z29c processes (destination, gateways, scheduler, executors, recovery).
+//! - [`infra`]: PostgreSQL and NATS servers of a scenario's own, to crash and restart.
+//! - [`proxy`]: a TCP proxy to cut a service's database connection, or drop it at `COMMIT`.
+//! - [`history`]: the recorded history of a run and the invariant checker.
+//! - [`matrix`]: the fault matrix (fault × adapter capability → invariants held).
+//! - [`soak`]: the randomized soak with a reproducible fault schedule.
 
 use anyhow::{Context, Result};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
@@ -27,7 +34,12 @@ pub struct TestDatabase {
 impl TestDatabase {
     /// Creates an empty database with a unique name.
     pub async fn create() -> Result<Self> {
-        let admin: PgConnectOptions = database_url().parse().context("DATABASE_URL")?;
+        Self::create_on(&database_url()).await
+    }
+
+    /// Creates an empty database on the server `admin_url` points at.
+    pub async fn create_on(admin_url: &str) -> Result<Self> {
+        let admin: PgConnectOptions = admin_url.parse().context("DATABASE_URL")?;
         let name = format!("z29c_scn_{}", uuid::Uuid::new_v4().simple());
         let mut conn = admin.connect().await.context("connect to PostgreSQL")?;
         sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
@@ -74,3 +86,8 @@ impl TestDatabase {
 }
 
 pub mod cluster;
+pub mod history;
+pub mod infra;
+pub mod matrix;
+pub mod proxy;
+pub mod soak;

@@ -51,7 +51,7 @@ async fn crash_after(
     .await?;
     let pool = cluster.db.pool(2).await?;
     cluster
-        .add_executor_with(&[("Z29C_FAULT_ABORT_AFTER", checkpoint)])
+        .add_executor_with(&[("Z29C_FAULT_CRASH", &format!("after_{checkpoint}"))])
         .await?;
     let wf = cluster
         .client()

@@ -19,6 +19,10 @@ pub struct GatewayConfig {
     /// NATS subject/stream prefix shared by one deployment.
     pub prefix: String,
     pub adapters: Vec<AdapterConfig>,
+    /// Fault injection (only with the `faults` feature): abort after the destination answered
+    /// that it committed, before replying to the executor.
+    #[cfg(feature = "faults")]
+    pub fault_crash_after_destination: bool,
 }
 
 impl Default for GatewayConfig {
@@ -31,6 +35,8 @@ impl Default for GatewayConfig {
             nats_url: "nats://127.0.0.1:4222".into(),
             prefix: "z29c".into(),
             adapters: vec![AdapterConfig::default()],
+            #[cfg(feature = "faults")]
+            fault_crash_after_destination: false,
         }
     }
 }

@@ -42,6 +42,26 @@ pub enum QueryOutcome {
 }
 
 const DEFAULT_RETRY_AFTER: Duration = Duration::from_secs(1);
+/// Largest answer read from an adapter. A bigger one may still mean the effect happened, so
+/// it is *unknown*, not an error: recovery decides.
+pub const MAX_ANSWER_BYTES: usize = 256 * 1024;
+
+/// The body, or why it could not be had: lost mid-read, or larger than [`MAX_ANSWER_BYTES`].
+async fn read_bounded(mut resp: reqwest::Response) -> Result<String, String> {
+    let mut body = Vec::new();
+    loop {
+        match resp.chunk().await {
+            Ok(Some(chunk)) => {
+                if body.len() + chunk.len() > MAX_ANSWER_BYTES {
+                    return Err(format!("answer larger than {MAX_ANSWER_BYTES} bytes"));
+                }
+                body.extend_from_slice(&chunk);
+            }
+            Ok(None) => return Ok(String::from_utf8_lossy(&body).into_owned()),
+            Err(e) => return Err(format!("answer lost while reading: {e}")),
+        }
+    }
+}
 
 fn retry_after(resp: &reqwest::Response) -> Duration {
     resp.headers()
@@ -95,13 +115,9 @@ pub async fn invoke(
             reason: format!("server answered {status}"),
         };
     }
-    let text = match resp.text().await {
+    let text = match read_bounded(resp).await {
         Ok(t) => t,
-        Err(e) => {
-            return CallOutcome::Unknown {
-                reason: format!("answer lost while reading: {e}"),
-            };
-        }
+        Err(reason) => return CallOutcome::Unknown { reason },
     };
     let result: Value = serde_json::from_str(&text).unwrap_or(Value::String(text));
     if status.is_success() {
@@ -143,7 +159,10 @@ pub async fn query(
     };
     match resp.status().as_u16() {
         404 => QueryOutcome::NotFound,
-        200 => match resp.json::<Value>().await {
+        200 => match read_bounded(resp)
+            .await
+            .and_then(|t| serde_json::from_str::<Value>(&t).map_err(|e| e.to_string()))
+        {
             Ok(v) => match v.get("reference").and_then(Value::as_str) {
                 Some(r) => QueryOutcome::Found {
                     reference: r.to_owned(),
@@ -153,9 +172,7 @@ pub async fn query(
                     reason: "status without a reference".into(),
                 },
             },
-            Err(e) => QueryOutcome::Unknown {
-                reason: e.to_string(),
-            },
+            Err(reason) => QueryOutcome::Unknown { reason },
         },
         other => QueryOutcome::Unknown {
             reason: format!("status query answered {other}"),

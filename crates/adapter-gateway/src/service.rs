@@ -165,6 +165,13 @@ impl AdapterGateway for Gateway {
             timeout,
         )
         .await;
+        #[cfg(feature = "faults")]
+        if self.config.fault_crash_after_destination
+            && matches!(outcome, CallOutcome::Succeeded { .. })
+        {
+            tracing::error!(request_identity = %identity, "fault: crashing after the destination committed");
+            std::process::abort();
+        }
         let (release, answer) = match outcome {
             CallOutcome::Succeeded { reference, result } => (
                 Some("succeeded"),

@@ -5,6 +5,8 @@
 
 use std::time::Duration;
 
+use backon::BackoffBuilder;
+
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 
@@ -62,6 +64,28 @@ impl Default for LeasePolicy {
             max_attempts: 5,
         }
     }
+}
+
+/// The first automatic retry waits at least this long; jitter adds up to as much again.
+pub const RETRY_BASE: Duration = Duration::from_millis(250);
+/// No automatic retry waits longer than this.
+pub const RETRY_CAP: Duration = Duration::from_secs(30);
+
+/// How long a step waits before the retry that follows its `attempts_made`-th attempt:
+/// exponential from [`RETRY_BASE`], doubling, with jitter in `[d, 2d)`, never above
+/// [`RETRY_CAP`]. A storm of failing steps spreads out instead of retrying in lockstep, and the
+/// step's `max_attempts` ends it (in review when the outcome is unknown).
+pub fn retry_delay(attempts_made: u32) -> Duration {
+    backon::ExponentialBuilder::new()
+        .with_min_delay(RETRY_BASE)
+        .with_max_delay(RETRY_CAP / 2)
+        .with_factor(2.0)
+        .with_jitter()
+        .without_max_times()
+        .build()
+        .nth(attempts_made.saturating_sub(1) as usize)
+        .unwrap_or(RETRY_CAP)
+        .min(RETRY_CAP)
 }
 
 /// Limits every step policy must respect, set by the operator of the platform.
@@ -482,5 +506,22 @@ mod tests {
             .call_budget(),
             None
         );
+    }
+
+    #[test]
+    fn retry_delays_grow_capped_with_jitter() {
+        for n in 1..=40u32 {
+            let exp = RETRY_BASE.saturating_mul(1u32 << (n - 1).min(20));
+            let floor = exp.min(RETRY_CAP / 2);
+            let samples: Vec<Duration> = (0..30).map(|_| retry_delay(n)).collect();
+            for d in &samples {
+                assert!(*d >= floor, "attempt {n}: {d:?} below {floor:?}");
+                assert!(*d < floor * 2 || *d == RETRY_CAP, "attempt {n}: {d:?}");
+                assert!(*d <= RETRY_CAP, "attempt {n}: {d:?} above the cap");
+            }
+            let distinct: std::collections::BTreeSet<_> = samples.iter().collect();
+            assert!(distinct.len() > 1, "attempt {n}: no jitter in {samples:?}");
+        }
+        assert!(retry_delay(0) >= RETRY_BASE, "attempt 0 counts as the first");
     }
 }

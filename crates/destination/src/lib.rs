@@ -47,6 +47,10 @@ pub struct Faults {
     pub query_reference: Option<String>,
     /// Wait this long before answering a status query.
     pub query_delay_ms: u64,
+    /// Commit the effect, then wait this long before answering (a late response).
+    pub answer_delay_ms: u64,
+    /// Pad the answer with this many bytes (an oversized reply).
+    pub oversized_bytes: usize,
 }
 
 /// The destination's state: its ledger and its fault switches.
@@ -200,6 +204,17 @@ async fn accept(
     if faults.drop_response {
         // the effect is committed; the caller never hears of it and must give up
         std::future::pending::<()>().await;
+    }
+    if faults.answer_delay_ms > 0 {
+        tokio::time::sleep(Duration::from_millis(faults.answer_delay_ms)).await;
+    }
+    if faults.oversized_bytes > 0 {
+        let padding = "x".repeat(faults.oversized_bytes);
+        return (
+            status,
+            Json(json!({ "reference": reference, "padding": padding })),
+        )
+            .into_response();
     }
     (status, Json(json!({ "reference": reference }))).into_response()
 }

@@ -6,9 +6,10 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
-use z29c_core::{Deadlines, ExternalReference, Outcome};
+use z29c_core::{Checkpoint, Deadlines, ExternalReference, Outcome};
 use z29c_proto::v1::{InvokeRequest, invoke_response};
 use z29c_store::leases::{ClaimedStep, CommitOutcome, Observed};
+use z29c_store::faults::{CrashPoint, crash_if_armed};
 use z29c_store::{Store, StoreError};
 
 use z29c_bus::gateways::Gateways;
@@ -22,20 +23,6 @@ pub struct Context {
     pub stop: CancellationToken,
     #[cfg(feature = "faults")]
     pub stall_after_response: Duration,
-    #[cfg(feature = "faults")]
-    pub abort_after: Option<z29c_core::Checkpoint>,
-}
-
-impl Context {
-    /// A crash right after `checkpoint` became durable (fault builds only).
-    fn crash_point(&self, checkpoint: z29c_core::Checkpoint) {
-        #[cfg(feature = "faults")]
-        if self.abort_after == Some(checkpoint) {
-            tracing::error!(%checkpoint, "fault: aborting after checkpoint");
-            std::process::abort();
-        }
-        let _ = checkpoint;
-    }
 }
 
 /// Runs one claimed step to a receipt, a release, or a hand-over to recovery. Errors are logged
@@ -62,12 +49,12 @@ async fn attempt(ctx: &Context, step: &ClaimedStep) -> Result<(), StoreError> {
     let claimed_at = Instant::now();
     let store = &ctx.store;
     let lease = &step.lease;
-    ctx.crash_point(z29c_core::Checkpoint::AttemptCreated);
+    crash_if_armed(CrashPoint::after(Checkpoint::AttemptCreated));
 
     store
         .persist_request_identity(lease, &step.request_identity)
         .await?;
-    ctx.crash_point(z29c_core::Checkpoint::RequestIdentityPersisted);
+    crash_if_armed(CrashPoint::after(Checkpoint::RequestIdentityPersisted));
 
     // safe boundary: nothing has been sent yet
     if ctx.stop.is_cancelled() {
@@ -85,7 +72,7 @@ async fn attempt(ctx: &Context, step: &ClaimedStep) -> Result<(), StoreError> {
     };
     let version = match store.begin_invocation(lease).await {
         Ok(v) => {
-            ctx.crash_point(z29c_core::Checkpoint::InvocationBegan);
+            crash_if_armed(CrashPoint::after(Checkpoint::InvocationBegan));
             v
         }
         Err(StoreError::Fenced(z29c_core::FenceReason::WorkflowForbids { .. })) => {
@@ -134,6 +121,8 @@ async fn attempt(ctx: &Context, step: &ClaimedStep) -> Result<(), StoreError> {
         );
         tokio::time::sleep(ctx.stall_after_response).await;
     }
+    // the answer is in memory only; it becomes durable with the receipt
+    crash_if_armed(CrashPoint::before(Checkpoint::ResponseObserved));
     let response = match answer {
         Ok(r) => r.into_inner(),
         Err(status) => {
@@ -185,6 +174,7 @@ async fn attempt(ctx: &Context, step: &ClaimedStep) -> Result<(), StoreError> {
 fn report(outcome: CommitOutcome) {
     match outcome {
         CommitOutcome::Committed(r) => {
+            crash_if_armed(CrashPoint::after(Checkpoint::ReceiptCommitted));
             tracing::info!(step = %r.step, reference = ?r.external_reference, outcome = %r.outcome, "receipt committed");
         }
         CommitOutcome::Late {

@@ -23,11 +23,15 @@ pub struct ExecutorConfig {
     /// answered and before committing, as a paused process would.
     #[cfg(feature = "faults")]
     pub fault_stall_after_response_ms: u64,
-    /// Fault injection (only with the `faults` feature): abort the process right after this
-    /// checkpoint is durable (`attempt_created`, `request_identity_persisted`,
-    /// `invocation_began`), as a crash at that boundary would.
+    /// Fault injection (only with the `faults` feature): abort the process at this point of
+    /// the attempt protocol, e.g. `before_invocation_began` or `after_receipt_committed`, as a
+    /// crash at that line would.
     #[cfg(feature = "faults")]
-    pub fault_abort_after: Option<z29c_core::Checkpoint>,
+    pub fault_crash: Option<z29c_store::faults::CrashPoint>,
+    /// Fault injection (only with the `faults` feature): the deliberately broken build that
+    /// commits receipts without the lease check. The fault matrix's checker must catch it.
+    #[cfg(feature = "faults")]
+    pub fault_break_receipt_fencing: bool,
 }
 
 impl Default for ExecutorConfig {
@@ -45,7 +49,9 @@ impl Default for ExecutorConfig {
             #[cfg(feature = "faults")]
             fault_stall_after_response_ms: 0,
             #[cfg(feature = "faults")]
-            fault_abort_after: None,
+            fault_crash: None,
+            #[cfg(feature = "faults")]
+            fault_break_receipt_fencing: false,
         }
     }
 }

@@ -32,6 +32,16 @@ pub use config::ExecutorConfig;
 /// Runs the executor until `shutdown` is cancelled, then drains within the grace period.
 pub async fn run(config: ExecutorConfig, shutdown: CancellationToken) -> anyhow::Result<()> {
     let owner = OwnerId::parse(config.id.clone()).context("executor id")?;
+    #[cfg(feature = "faults")]
+    {
+        if let Some(point) = config.fault_crash {
+            tracing::warn!(%point, "fault: crash point armed");
+            z29c_store::faults::arm(point);
+        }
+        if config.fault_break_receipt_fencing {
+            z29c_store::faults::break_receipt_fencing();
+        }
+    }
     let store = Store::connect(&config.database_url, config.max_connections)
         .await
         .context("connect to PostgreSQL")?;
@@ -70,8 +80,6 @@ pub async fn run(config: ExecutorConfig, shutdown: CancellationToken) -> anyhow:
                             stall_after_response: Duration::from_millis(
                                 config.fault_stall_after_response_ms,
                             ),
-                            #[cfg(feature = "faults")]
-                            abort_after: config.fault_abort_after,
                         };
                         tracker.spawn(async move {
                             attempt::run(ctx, step).await;

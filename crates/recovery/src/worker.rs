@@ -100,6 +100,17 @@ pub async fn recover(ctx: &Context, expired: &ExpiredLease) -> Result<(), StoreE
                     )
                     .await?;
                 }
+                Ok(Some(query_response::Status::NotFound(_))) if !evidence.attempts_left => {
+                    decide(
+                        ctx,
+                        lease,
+                        &record(
+                            RecoveryDecision::HumanReview,
+                            json!({ "reason": "status query found no such request, and the step has no attempts left" }),
+                        ),
+                    )
+                    .await?;
+                }
                 Ok(Some(query_response::Status::NotFound(_))) => {
                     // the destination never accepted the request: sending it again, under the
                     // same identity, is safe

@@ -107,6 +107,34 @@ pub(crate) async fn fence(
     Ok(held)
 }
 
+/// The broken build's stand-in for [`fence`]: the step as it stands, with no lease check.
+/// Reached only when `faults::break_receipt_fencing` was called (the `faults` feature).
+pub(crate) async fn unfenced(conn: &mut PgConnection, claim: &LeaseClaim) -> Result<Held> {
+    let row: HeldRow = sqlx::query_as(
+        "SELECT s.workflow_id, s.checkpoint_version, s.request_identity, s.input_digest,
+                s.adapter, w.state::text AS workflow_state, a.checkpoint::text AS checkpoint
+         FROM steps s
+         JOIN workflows w ON w.id = s.workflow_id
+         LEFT JOIN attempts a ON a.id = $2
+         WHERE s.id = $1
+         FOR UPDATE OF s",
+    )
+    .bind(claim.step.as_uuid())
+    .bind(claim.attempt.as_uuid())
+    .fetch_optional(&mut *conn)
+    .await?
+    .ok_or(StoreError::NotFound { what: "step" })?;
+    Ok(Held {
+        workflow: row.workflow_id,
+        workflow_state: parse(&row.workflow_state)?,
+        checkpoint: row.checkpoint.as_deref().map(parse).transpose()?,
+        checkpoint_version: row.checkpoint_version,
+        request_identity: row.request_identity,
+        input_digest: row.input_digest,
+        adapter: row.adapter,
+    })
+}
+
 /// Reads the step back to say why a fenced update matched no row.
 pub(crate) async fn diagnose(
     conn: &mut PgConnection,

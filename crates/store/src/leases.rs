@@ -18,6 +18,7 @@ use z29c_core::{
 
 use crate::error::parse;
 use crate::events::{self, EventKind, NewEvent};
+use crate::faults::{self, CrashPoint};
 use crate::fence::{self, Held};
 use crate::outbox::{self, MessageKind};
 use crate::workflows::{Receipt, ReceiptRow, open_review, receipt_columns};
@@ -167,7 +168,7 @@ impl Store {
     /// statement: `FOR UPDATE SKIP LOCKED`, `lease_version + 1`, `expires_at = now() + lease`,
     /// a new attempt and a `lease_acquired` event per step.
     pub async fn claim(&self, owner: &OwnerId, max: i64) -> Result<Vec<ClaimedStep>> {
-        let rows: Vec<ClaimRow> = sqlx::query_as(
+        let rows = sqlx::query_as::<_, ClaimRow>(
             "WITH picked AS (
                  SELECT s.id FROM steps s
                  JOIN workflows w ON w.id = s.workflow_id AND w.state = 'running'
@@ -209,9 +210,20 @@ impl Store {
              FROM leased l JOIN workflows w ON w.id = l.workflow_id",
         )
         .bind(owner.as_str())
-        .bind(max)
-        .fetch_all(&self.pool)
-        .await?;
+        .bind(max);
+        let before_commit = CrashPoint::before(Checkpoint::AttemptCreated);
+        let rows: Vec<ClaimRow> = if faults::is_armed(before_commit) {
+            // one transaction, so the crash point can sit right before its COMMIT
+            let mut tx = self.pool.begin().await?;
+            let rows = rows.fetch_all(&mut *tx).await?;
+            if !rows.is_empty() {
+                faults::crash_if_armed(before_commit);
+            }
+            tx.commit().await?;
+            rows
+        } else {
+            rows.fetch_all(&self.pool).await?
+        };
         rows.into_iter().map(ClaimedStep::try_from).collect()
     }
 
@@ -251,6 +263,7 @@ impl Store {
         .execute(&mut *tx)
         .await?;
         checkpoint_event(&mut tx, claim, &held, Checkpoint::RequestIdentityPersisted).await?;
+        faults::crash_if_armed(CrashPoint::before(Checkpoint::RequestIdentityPersisted));
         tx.commit().await?;
         Ok(held.checkpoint_version)
     }
@@ -281,6 +294,7 @@ impl Store {
         .execute(&mut *tx)
         .await?;
         checkpoint_event(&mut tx, claim, &held, Checkpoint::InvocationBegan).await?;
+        faults::crash_if_armed(CrashPoint::before(Checkpoint::InvocationBegan));
         tx.commit().await?;
         Ok(held.checkpoint_version)
     }
@@ -390,7 +404,11 @@ impl Store {
                 if has_receipt(&mut tx, claim.step.as_uuid()).await? {
                     return Err(StoreError::Conflict("step already has its receipt".into()));
                 }
-                return Err(StoreError::Fenced(reason));
+                if !faults::receipts_unfenced() {
+                    return Err(StoreError::Fenced(reason));
+                }
+                // the broken build (faults feature only): the lease check is ignored
+                fence::unfenced(&mut tx, claim).await?
             }
             Err(e) => return Err(e),
         };
@@ -414,6 +432,7 @@ impl Store {
         .bind(&observed.adapter_version)
         .execute(&mut *tx)
         .await?;
+        faults::crash_if_armed(CrashPoint::after(Checkpoint::ResponseObserved));
         for cp in [Checkpoint::ResponseObserved, Checkpoint::ReceiptCommitted] {
             checkpoint_event(&mut tx, claim, &held, cp).await?;
         }
@@ -426,6 +445,7 @@ impl Store {
             Verification::Direct,
         )
         .await?;
+        faults::crash_if_armed(CrashPoint::before(Checkpoint::ReceiptCommitted));
         tx.commit().await?;
         Ok(receipt)
     }

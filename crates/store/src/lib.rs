@@ -17,6 +17,7 @@
 
 pub mod error;
 pub mod events;
+pub mod faults;
 pub mod leases;
 pub mod outbox;
 pub mod permits;

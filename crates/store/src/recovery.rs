@@ -247,16 +247,18 @@ impl Store {
             }
             None => None,
         };
-        for (kind, version, who) in [
+        for (kind, version, who, detail) in [
             (
                 EventKind::LeaseExpired,
                 row.prior_version,
                 row.prior_owner.as_deref(),
+                json!({ "checkpoint": checkpoint }),
             ),
             (
                 EventKind::RecoveryLeaseAcquired,
                 row.lease_version,
                 Some(owner.as_str()),
+                json!({ "checkpoint": checkpoint, "expires_at": row.expires_at }),
             ),
         ] {
             events::append(
@@ -268,7 +270,7 @@ impl Store {
                     lease_version: version,
                     owner: who,
                     kind,
-                    detail: json!({ "checkpoint": checkpoint }),
+                    detail,
                 },
             )
             .await?;
@@ -412,15 +414,28 @@ impl Store {
             }
             D::Fail => Some("failed"),
         };
+        // a retry after an attempt that failed to finish waits, capped and jittered
+        let wait = match record.decision {
+            D::Retry | D::RetrySameIdentity => {
+                let made: i32 = sqlx::query_scalar("SELECT attempts_made FROM steps WHERE id = $1")
+                    .bind(lease.step.as_uuid())
+                    .fetch_one(&mut *tx)
+                    .await?;
+                z29c_core::policy::retry_delay(u32::try_from(made).unwrap_or(1))
+            }
+            _ => std::time::Duration::ZERO,
+        };
         if let Some(next) = next {
             sqlx::query(
                 "UPDATE steps
                  SET state = $2::step_state, lease_owner = NULL, leased_at = NULL,
-                     expires_at = NULL, next_eligible_at = now(), updated_at = now()
+                     expires_at = NULL, updated_at = now(),
+                     next_eligible_at = now() + $3::bigint * interval '1 millisecond'
                  WHERE id = $1",
             )
             .bind(lease.step.as_uuid())
             .bind(next)
+            .bind(crate::millis(wait))
             .execute(&mut *tx)
             .await?;
             match next {

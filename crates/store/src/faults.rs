@@ -1,0 +1,186 @@
+//! Deterministic fault points for the scenario harness (DESIGN.md §9). They do something only
+//! in a build with the `faults` feature, which no release build has: `scripts/release` builds
+//! `-p z29c-cli` alone, so the feature is not unified on.
+//!
+//! A [`CrashPoint`] names one side of one durable boundary of the attempt protocol. The store
+//! owns the points *inside* its transactions (right before `COMMIT`); the executor owns the
+//! points after a commit returned. [`break_receipt_fencing`] is the deliberately broken build
+//! the checker must catch: it lets a receipt commit under a lease that is no longer current.
+
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+use z29c_core::Checkpoint;
+
+/// Which side of a boundary a crash point is on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Side {
+    /// The transaction's work is done, `COMMIT` was not sent: nothing of it is durable.
+    Before,
+    /// `COMMIT` returned: the checkpoint is durable, the next step has not started.
+    After,
+}
+
+/// `before_<checkpoint>` or `after_<checkpoint>`, e.g. `after_invocation_began`.
+///
+/// *Response observed* is made durable in the receipt transaction (DESIGN.md §5 step 5), so
+/// `before_response_observed` is a crash with the adapter's answer only in memory,
+/// `after_response_observed` a crash inside the receipt transaction once the attempt's
+/// response is written, and `before_receipt_committed` a crash right before its `COMMIT`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub struct CrashPoint {
+    pub side: Side,
+    pub checkpoint: Checkpoint,
+}
+
+impl CrashPoint {
+    /// The ten points, in protocol order.
+    pub fn all() -> Vec<CrashPoint> {
+        Checkpoint::ALL
+            .iter()
+            .flat_map(|&checkpoint| {
+                [Side::Before, Side::After].map(|side| CrashPoint { side, checkpoint })
+            })
+            .collect()
+    }
+
+    pub fn before(checkpoint: Checkpoint) -> Self {
+        Self {
+            side: Side::Before,
+            checkpoint,
+        }
+    }
+
+    pub fn after(checkpoint: Checkpoint) -> Self {
+        Self {
+            side: Side::After,
+            checkpoint,
+        }
+    }
+}
+
+impl fmt::Display for CrashPoint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let side = match self.side {
+            Side::Before => "before",
+            Side::After => "after",
+        };
+        write!(f, "{side}_{}", self.checkpoint)
+    }
+}
+
+impl FromStr for CrashPoint {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let (side, rest) = if let Some(rest) = s.strip_prefix("before_") {
+            (Side::Before, rest)
+        } else if let Some(rest) = s.strip_prefix("after_") {
+            (Side::After, rest)
+        } else {
+            return Err(format!(
+                "crash point {s:?}: expected before_<checkpoint> or after_<checkpoint>"
+            ));
+        };
+        let checkpoint = rest
+            .parse()
+            .map_err(|e| format!("crash point {s:?}: {e}"))?;
+        Ok(Self { side, checkpoint })
+    }
+}
+
+impl TryFrom<String> for CrashPoint {
+    type Error = String;
+    fn try_from(s: String) -> Result<Self, Self::Error> {
+        s.parse()
+    }
+}
+
+impl From<CrashPoint> for String {
+    fn from(p: CrashPoint) -> Self {
+        p.to_string()
+    }
+}
+
+#[cfg(feature = "faults")]
+mod switches {
+    use std::sync::OnceLock;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    use super::CrashPoint;
+
+    static CRASH: OnceLock<CrashPoint> = OnceLock::new();
+    static UNFENCED_RECEIPTS: AtomicBool = AtomicBool::new(false);
+
+    /// Arms `point` for this process. The first call wins.
+    pub fn arm(point: CrashPoint) {
+        let _ = CRASH.set(point);
+    }
+
+    /// The broken build: receipts commit without their lease check.
+    pub fn break_receipt_fencing() {
+        tracing::error!("fault: receipt fencing is OFF; this build is broken on purpose");
+        UNFENCED_RECEIPTS.store(true, Ordering::SeqCst);
+    }
+
+    pub(crate) fn receipts_unfenced() -> bool {
+        UNFENCED_RECEIPTS.load(Ordering::SeqCst)
+    }
+
+    pub fn is_armed(point: CrashPoint) -> bool {
+        CRASH.get() == Some(&point)
+    }
+
+    /// Aborts the process if `point` is armed: no unwinding, no destructors, no `ROLLBACK`
+    /// sent, exactly what a SIGKILL at this line would leave.
+    pub fn crash_if_armed(point: CrashPoint) {
+        if CRASH.get() == Some(&point) {
+            tracing::error!(%point, "fault: crashing here");
+            std::process::abort();
+        }
+    }
+}
+
+#[cfg(feature = "faults")]
+pub use switches::{arm, break_receipt_fencing, crash_if_armed, is_armed};
+#[cfg(feature = "faults")]
+pub(crate) use switches::receipts_unfenced;
+
+#[cfg(not(feature = "faults"))]
+#[inline(always)]
+pub fn crash_if_armed(_point: CrashPoint) {}
+
+#[cfg(not(feature = "faults"))]
+#[inline(always)]
+pub fn is_armed(_point: CrashPoint) -> bool {
+    false
+}
+
+#[cfg(not(feature = "faults"))]
+#[inline(always)]
+pub(crate) fn receipts_unfenced() -> bool {
+    false
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn crash_points_round_trip_and_bad_names_are_named() {
+        let all = CrashPoint::all();
+        assert_eq!(all.len(), 10);
+        for p in all {
+            assert_eq!(p.to_string().parse::<CrashPoint>(), Ok(p));
+        }
+        assert!(
+            "during_invocation_began"
+                .parse::<CrashPoint>()
+                .unwrap_err()
+                .contains("before_<checkpoint>")
+        );
+        assert!("after_lunch".parse::<CrashPoint>().is_err());
+    }
+}

@@ -1,0 +1,228 @@
+//! Servers a scenario owns alone, so it may kill and restart them without touching the
+//! machine's shared PostgreSQL and NATS: a throwaway PostgreSQL cluster (initdb, run as
+//! `nobody` when the harness is root, as PostgreSQL requires) and a throwaway `nats-server`
+//! with JetStream on its own store directory. Both restart on the same port and data.
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use tokio::process::{Child, Command};
+
+fn free_port() -> Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+fn is_root() -> bool {
+    std::process::Command::new("id")
+        .arg("-u")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
+        .unwrap_or(false)
+}
+
+fn pg_bin(name: &str) -> Result<PathBuf> {
+    let from_config = std::process::Command::new("pg_config")
+        .arg("--bindir")
+        .output()
+        .ok()
+        .map(|o| PathBuf::from(String::from_utf8_lossy(&o.stdout).trim()).join(name));
+    let candidates = from_config.into_iter().chain(
+        ["/usr/lib/postgresql/15/bin", "/usr/local/bin", "/usr/bin"]
+            .iter()
+            .map(|d| Path::new(d).join(name)),
+    );
+    for c in candidates {
+        if c.exists() {
+            return Ok(c);
+        }
+    }
+    bail!("{name} not found: install PostgreSQL server binaries")
+}
+
+fn unprivileged(program: &Path) -> Command {
+    if is_root() {
+        let mut c = Command::new("runuser");
+        c.args(["-u", "nobody", "--"]).arg(program);
+        c
+    } else {
+        Command::new(program)
+    }
+}
+
+async fn wait_for_port(port: u16) -> Result<()> {
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_secs(30) {
+        if tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .is_ok()
+        {
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    bail!("nothing listened on 127.0.0.1:{port} within 30 s")
+}
+
+/// A PostgreSQL cluster of one scenario's own.
+#[derive(Debug)]
+pub struct PrivatePostgres {
+    pub port: u16,
+    dir: PathBuf,
+    child: Option<Child>,
+}
+
+impl PrivatePostgres {
+    pub async fn start() -> Result<Self> {
+        let dir = std::env::temp_dir().join(format!("z29c-pg-{}", uuid::Uuid::new_v4().simple()));
+        std::fs::create_dir_all(dir.join("data"))?;
+        if is_root() {
+            let ok = std::process::Command::new("chown")
+                .args(["-R", "nobody:nogroup"])
+                .arg(&dir)
+                .status()?
+                .success();
+            if !ok {
+                bail!("could not hand {} to nobody", dir.display());
+            }
+        }
+        let out = unprivileged(&pg_bin("initdb")?)
+            .arg("-D")
+            .arg(dir.join("data"))
+            .args(["-U", "postgres", "--auth=trust", "--no-sync", "-E", "UTF8"])
+            .stdout(Stdio::null())
+            .output()
+            .await
+            .context("initdb")?;
+        if !out.status.success() {
+            bail!("initdb failed: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        let mut pg = Self {
+            port: free_port()?,
+            dir,
+            child: None,
+        };
+        pg.spawn().await?;
+        Ok(pg)
+    }
+
+    /// `postgres://…/postgres` on this cluster.
+    pub fn admin_url(&self) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
+    }
+
+    async fn spawn(&mut self) -> Result<()> {
+        let data = self.dir.join("data");
+        let child = unprivileged(&pg_bin("postgres")?)
+            .arg("-D")
+            .arg(&data)
+            .args(["-h", "127.0.0.1", "-p", &self.port.to_string(), "-k"])
+            .arg(&data)
+            .args(["-c", "fsync=off", "-c", "max_connections=200"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .context("start postgres")?;
+        self.child = Some(child);
+        wait_for_port(self.port).await?;
+        let start = Instant::now();
+        while sqlx::PgPool::connect(&self.admin_url()).await.is_err() {
+            if start.elapsed() > Duration::from_secs(30) {
+                bail!("PostgreSQL on {} does not accept connections", self.port);
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        Ok(())
+    }
+
+    /// SIGKILLs the postmaster (its backends follow), then starts it again on the same data:
+    /// crash recovery, every connection lost, exactly a PostgreSQL crash and restart.
+    pub async fn crash_and_restart(&mut self, down_for: Duration) -> Result<()> {
+        if let Some(mut c) = self.child.take() {
+            c.start_kill()?;
+            c.wait().await?;
+        }
+        // the backends notice the postmaster's death and exit; wait until the port is free
+        let start = Instant::now();
+        while tokio::net::TcpStream::connect(("127.0.0.1", self.port))
+            .await
+            .is_ok()
+            && start.elapsed() < Duration::from_secs(10)
+        {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let _ = std::fs::remove_file(self.dir.join("data/postmaster.pid"));
+        tokio::time::sleep(down_for).await;
+        self.spawn().await
+    }
+
+    pub async fn stop(mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.start_kill();
+            let _ = c.wait().await;
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// A `nats-server -js` of one scenario's own.
+#[derive(Debug)]
+pub struct PrivateNats {
+    pub port: u16,
+    dir: PathBuf,
+    child: Option<Child>,
+}
+
+impl PrivateNats {
+    pub async fn start() -> Result<Self> {
+        let dir =
+            std::env::temp_dir().join(format!("z29c-nats-{}", uuid::Uuid::new_v4().simple()));
+        std::fs::create_dir_all(&dir)?;
+        let mut n = Self {
+            port: free_port()?,
+            dir,
+            child: None,
+        };
+        n.spawn().await?;
+        Ok(n)
+    }
+
+    pub fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    async fn spawn(&mut self) -> Result<()> {
+        let child = Command::new("nats-server")
+            .args(["-a", "127.0.0.1", "-p", &self.port.to_string(), "-js", "-sd"])
+            .arg(&self.dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .context("start nats-server")?;
+        self.child = Some(child);
+        wait_for_port(self.port).await
+    }
+
+    /// SIGKILL, a pause, and a start on the same store directory.
+    pub async fn crash_and_restart(&mut self, down_for: Duration) -> Result<()> {
+        if let Some(mut c) = self.child.take() {
+            c.start_kill()?;
+            c.wait().await?;
+        }
+        tokio::time::sleep(down_for).await;
+        self.spawn().await
+    }
+
+    pub async fn stop(mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.start_kill();
+            let _ = c.wait().await;
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}

@@ -1,0 +1,101 @@
+//! `z29c-scenarios`: the fault matrix and the randomized soak, outside the test runner.
+//!
+//! ```text
+//! cargo build -p z29c-cli -p z29c-scenarios      # one build: z29c gets its fault points
+//! target/debug/z29c-scenarios matrix [--parallel 3] [--only crash]
+//! target/debug/z29c-scenarios soak --seed 7 --duration 10m
+//! ```
+
+use std::io::Write;
+use std::time::Duration;
+
+use anyhow::{Result, bail};
+use clap::{Parser, Subcommand};
+use z29c_scenarios::{matrix, soak};
+
+#[derive(Parser)]
+#[command(name = "z29c-scenarios", about = "z29c's fault matrix and soak, on real processes")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Runs the fault matrix and prints fault × capability → invariants held.
+    Matrix {
+        /// Cells run at once.
+        #[arg(long, default_value_t = 3)]
+        parallel: usize,
+        /// Only cells whose name contains this text.
+        #[arg(long)]
+        only: Option<String>,
+        /// Run the deliberately broken build (receipts unfenced): cells must fail.
+        #[arg(long)]
+        broken: bool,
+    },
+    /// Runs a mixed load while killing and pausing random processes, then checks.
+    Soak {
+        /// Seed of the fault schedule; the same seed gives the same schedule.
+        #[arg(long, num_args = 1.., default_values_t = [1u64])]
+        seed: Vec<u64>,
+        /// How long the load and faults last, e.g. `90s` or `10m`.
+        #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
+        duration: Duration,
+    },
+}
+
+fn say(line: &str) {
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{line}");
+}
+
+#[tokio::main]
+async fn main() -> Result<()> {
+    match Cli::parse().command {
+        Command::Matrix {
+            parallel,
+            only,
+            broken,
+        } => {
+            let cells: Vec<_> = matrix::cells()
+                .into_iter()
+                .filter(|c| only.as_ref().is_none_or(|o| c.to_string().contains(o.as_str())))
+                .collect();
+            if cells.is_empty() {
+                bail!("--only {only:?} matches no cell");
+            }
+            let switches = matrix::Switches {
+                break_receipt_fencing: broken,
+            };
+            let results = matrix::run_cells(cells, parallel, switches, |i, n, r| {
+                say(&format!(
+                    "[{i}/{n}] {} {} ({:.0}s)",
+                    if r.passed() { "ok  " } else { "FAIL" },
+                    r.cell,
+                    r.elapsed.as_secs_f64()
+                ));
+            })
+            .await;
+            say(&matrix::table(&results));
+            if results.iter().any(|r| !r.passed()) {
+                std::process::exit(1);
+            }
+        }
+        Command::Soak { seed, duration } => {
+            let mut failed = false;
+            for s in seed {
+                let report = soak::soak(s, duration, |l| say(&l)).await?;
+                say(&report.summary());
+                for v in &report.violations {
+                    say(&format!("  violation {v}"));
+                }
+                failed |= !report.violations.is_empty();
+            }
+            if failed {
+                std::process::exit(1);
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,1078 @@
+//! The fault matrix: every fault of issue 5, crossed with the adapter capabilities where the
+//! capability changes what recovery may do, each run on real processes with its own database
+//! and NATS prefix, then judged by [`crate::history`]'s checker. [`table`] prints what was
+//! proven: fault × capability → invariants held, steps completed, and whether the fault
+//! really bit (a crashed process, a late observation, a sprung trap…), so a cell cannot pass
+//! by not happening.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use serde_json::json;
+use sqlx::PgPool;
+use tokio::sync::Semaphore;
+use z29c_core::{AdapterCapability, Checkpoint};
+use z29c_proto::v1::{self as pb};
+use z29c_store::faults::CrashPoint;
+
+use crate::cluster::{Cluster, Topology, chain};
+use crate::history::{Expect, History, Invariant, Tally, Violation};
+use crate::infra::{PrivateNats, PrivatePostgres};
+use crate::proxy::{CommitTrap, Proxy};
+
+/// Which adapter(s) a cell's workflows use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Cap {
+    One(AdapterCapability),
+    /// Workflows spread over the three capabilities in one run.
+    Mixed,
+}
+
+impl PartialOrd for Cap {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for Cap {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        self.rank().cmp(&other.rank())
+    }
+}
+
+impl Cap {
+    fn rank(self) -> usize {
+        match self {
+            Cap::One(c) => AdapterCapability::ALL.iter().position(|x| *x == c).unwrap_or(0),
+            Cap::Mixed => 3,
+        }
+    }
+
+    pub const ALL3: [Cap; 3] = [
+        Cap::One(AdapterCapability::Idempotent),
+        Cap::One(AdapterCapability::Queryable),
+        Cap::One(AdapterCapability::Opaque),
+    ];
+
+    /// The adapter workflow number `i` uses.
+    fn adapter(self, i: usize) -> String {
+        let c = match self {
+            Cap::One(c) => c,
+            Cap::Mixed => AdapterCapability::ALL[i % 3],
+        };
+        format!("http-{c}")
+    }
+
+    fn label(self) -> String {
+        match self {
+            Cap::One(c) => c.to_string(),
+            Cap::Mixed => "mixed".into(),
+        }
+    }
+
+    fn is_opaque(self) -> bool {
+        self == Cap::One(AdapterCapability::Opaque)
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Deadline {
+    Adapter,
+    Lease,
+    Attempt,
+    Workflow,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Fault {
+    /// 1. The executor aborts at a crash point.
+    Crash(CrashPointKey),
+    /// 2. SIGSTOP longer than the lease, then SIGCONT.
+    Pause,
+    /// 3. Workers' and recovery's wall clocks skewed by minutes (libfaketime).
+    ClockSkew,
+    /// 4. The executor's database connections cut while its call is in flight.
+    DbCut,
+    /// 5. The connection dropped at the receipt's `COMMIT`.
+    CommitDrop(bool),
+    /// 6. The gateway aborts after the destination committed, before replying.
+    GatewayCrash,
+    /// 6. An answer larger than the gateway reads.
+    OversizedReply,
+    /// 7. The answer arrives just before (`false`) or just after (`true`) a deadline.
+    Deadline(Deadline, bool),
+    /// 8. Garbage, duplicate and purged hints, an executor killed with unacknowledged
+    ///    messages, and NATS itself killed and restarted mid-run.
+    NatsChaos,
+    /// 9. Two recovery instances; the one deciding is killed.
+    RecoveryKilled,
+    /// 10. A poison step (always 5xx) in a retry storm.
+    Poison,
+    /// 11. PostgreSQL crashed and restarted under load.
+    PostgresRestart,
+}
+
+/// [`CrashPoint`] in a form that orders and hashes for the table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct CrashPointKey {
+    pub checkpoint_rank: u8,
+    pub after: bool,
+}
+
+impl CrashPointKey {
+    fn point(self) -> CrashPoint {
+        let checkpoint = Checkpoint::ALL[self.checkpoint_rank as usize];
+        if self.after {
+            CrashPoint::after(checkpoint)
+        } else {
+            CrashPoint::before(checkpoint)
+        }
+    }
+}
+
+impl fmt::Display for Fault {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Fault::Crash(k) => write!(f, "1 SIGKILL {}", k.point()),
+            Fault::Pause => write!(f, "2 SIGSTOP past the lease, SIGCONT"),
+            Fault::ClockSkew => write!(f, "3 clocks skewed +7m/-7m/+3m"),
+            Fault::DbCut => write!(f, "4 DB connection cut mid-call"),
+            Fault::CommitDrop(after) => write!(
+                f,
+                "5 connection dropped at receipt COMMIT ({})",
+                if *after { "after" } else { "before" }
+            ),
+            Fault::GatewayCrash => write!(f, "6 gateway killed after destination commit"),
+            Fault::OversizedReply => write!(f, "6 oversized reply (300 KB)"),
+            Fault::Deadline(d, late) => write!(
+                f,
+                "7 answer just {} the {} deadline",
+                if *late { "after" } else { "before" },
+                match d {
+                    Deadline::Adapter => "adapter",
+                    Deadline::Lease => "lease",
+                    Deadline::Attempt => "attempt",
+                    Deadline::Workflow => "workflow",
+                }
+            ),
+            Fault::NatsChaos => write!(f, "8 JetStream dup/lost/redelivered, NATS restart"),
+            Fault::RecoveryKilled => write!(f, "9 two recoveries, one killed deciding"),
+            Fault::Poison => write!(f, "10 poison steps (5xx) in a retry storm"),
+            Fault::PostgresRestart => write!(f, "11 PostgreSQL crashed and restarted"),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Cell {
+    pub fault: Fault,
+    pub cap: Cap,
+}
+
+impl fmt::Display for Cell {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} × {}", self.fault, self.cap.label())
+    }
+}
+
+/// Every cell of the matrix.
+pub fn cells() -> Vec<Cell> {
+    let mut out = Vec::new();
+    let per_cap = |fault: Fault, out: &mut Vec<Cell>| {
+        for cap in Cap::ALL3 {
+            out.push(Cell { fault, cap });
+        }
+    };
+    for rank in 0..Checkpoint::ALL.len() as u8 {
+        for after in [false, true] {
+            per_cap(
+                Fault::Crash(CrashPointKey {
+                    checkpoint_rank: rank,
+                    after,
+                }),
+                &mut out,
+            );
+        }
+    }
+    per_cap(Fault::Pause, &mut out);
+    out.push(Cell {
+        fault: Fault::ClockSkew,
+        cap: Cap::Mixed,
+    });
+    per_cap(Fault::DbCut, &mut out);
+    per_cap(Fault::CommitDrop(false), &mut out);
+    per_cap(Fault::CommitDrop(true), &mut out);
+    per_cap(Fault::GatewayCrash, &mut out);
+    per_cap(Fault::OversizedReply, &mut out);
+    for d in [
+        Deadline::Adapter,
+        Deadline::Lease,
+        Deadline::Attempt,
+        Deadline::Workflow,
+    ] {
+        // before a deadline the answer simply counts; the capability matters only after
+        out.push(Cell {
+            fault: Fault::Deadline(d, false),
+            cap: Cap::Mixed,
+        });
+        per_cap(Fault::Deadline(d, true), &mut out);
+    }
+    out.push(Cell {
+        fault: Fault::NatsChaos,
+        cap: Cap::Mixed,
+    });
+    per_cap(Fault::RecoveryKilled, &mut out);
+    per_cap(Fault::Poison, &mut out);
+    out.push(Cell {
+        fault: Fault::PostgresRestart,
+        cap: Cap::Mixed,
+    });
+    out
+}
+
+/// The verdict on one cell.
+#[derive(Debug, Clone)]
+pub struct CellResult {
+    pub cell: Cell,
+    pub violations: Vec<Violation>,
+    /// What should have happened and did not (the fault did not bite, an expected outcome).
+    pub expectations: Vec<String>,
+    pub tally: Tally,
+    pub elapsed: Duration,
+    /// Where the history and logs of a failed cell were kept.
+    pub kept: Option<std::path::PathBuf>,
+}
+
+impl CellResult {
+    pub fn passed(&self) -> bool {
+        self.violations.is_empty() && self.expectations.is_empty()
+    }
+}
+
+/// Options for one cell run.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Switches {
+    /// Run the executors as the deliberately broken build (receipts unfenced).
+    pub break_receipt_fencing: bool,
+}
+
+/// A short policy: leases expire in 1.5 s, so recovery happens within a cell's time.
+fn policy() -> pb::LeasePolicy {
+    pb::LeasePolicy {
+        lease_ms: 1_500,
+        renew_every_ms: 500,
+        attempt_deadline_ms: 8_000,
+        final_grace_ms: 500,
+        adapter_timeout_ms: 1_000,
+        max_attempts: 4,
+        ..Default::default()
+    }
+}
+
+struct Run {
+    cluster: Cluster,
+    pool: PgPool,
+    ids: Vec<String>,
+    /// Steps that may legitimately end in review (opaque unknowns, poison steps…).
+    allowance: usize,
+    switches: Switches,
+    expectations: Vec<String>,
+}
+
+impl Run {
+    async fn submit(
+        &mut self,
+        key: &str,
+        adapter: &str,
+        route: &str,
+        steps: usize,
+        policy: pb::LeasePolicy,
+        deadline_ms: Option<i64>,
+    ) -> Result<String> {
+        let mut req = chain(key, route, steps);
+        for s in &mut req.steps {
+            s.adapter = adapter.to_owned();
+            s.policy = Some(policy);
+        }
+        if let Some(ms) = deadline_ms {
+            let at = chrono::Utc::now() + chrono::Duration::milliseconds(ms);
+            req.deadline = Some(prost_types_timestamp(at));
+        }
+        let id = self
+            .cluster
+            .client()
+            .await?
+            .submit(req)
+            .await?
+            .into_inner()
+            .workflow
+            .context("submit answered no workflow")?
+            .id;
+        self.ids.push(id.clone());
+        Ok(id)
+    }
+
+    /// `n` healthy two-step workflows over the cell's adapters.
+    async fn healthy(&mut self, cap: Cap, n: usize) -> Result<()> {
+        for i in 0..n {
+            let adapter = cap.adapter(i + 1);
+            if cap == Cap::Mixed && adapter == "http-opaque" {
+                self.allowance += 2;
+            }
+            self.submit(&format!("ok-{i}"), &adapter, "ok", 2, policy(), None)
+                .await?;
+        }
+        Ok(())
+    }
+
+    async fn executor(&mut self, extra: &[(&str, &str)]) -> Result<()> {
+        let mut env: Vec<(&str, &str)> = extra.to_vec();
+        if self.switches.break_receipt_fencing {
+            env.push(("Z29C_FAULT_BREAK_RECEIPT_FENCING", "true"));
+        }
+        self.cluster.add_executor_with(&env).await
+    }
+
+    async fn wait_for(&self, sql: &str, what: &str, within: Duration) -> Result<()> {
+        let start = Instant::now();
+        loop {
+            let n: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(sql.to_owned()))
+                .fetch_one(&self.pool)
+                .await
+                .unwrap_or(0);
+            if n > 0 {
+                return Ok(());
+            }
+            if start.elapsed() > within {
+                bail!("waited {within:?} for {what}");
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    async fn wait_exit(&mut self, name: &str, within: Duration) -> Result<()> {
+        let start = Instant::now();
+        loop {
+            if self.cluster.process(name).context("no such process")?.exited() {
+                return Ok(());
+            }
+            if start.elapsed() > within {
+                bail!("{name} did not crash within {within:?}");
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    async fn count(&self, sql: &str) -> i64 {
+        sqlx::query_scalar(sqlx::AssertSqlSafe(sql.to_owned()))
+            .fetch_one(&self.pool)
+            .await
+            .unwrap_or(-1)
+    }
+
+    /// Records an expectation that did not hold.
+    fn expect(&mut self, ok: bool, what: impl Into<String>) {
+        if !ok {
+            self.expectations.push(what.into());
+        }
+    }
+}
+
+fn prost_types_timestamp(at: chrono::DateTime<chrono::Utc>) -> prost_types::Timestamp {
+    prost_types::Timestamp {
+        seconds: at.timestamp(),
+        nanos: at.timestamp_subsec_nanos() as i32,
+    }
+}
+
+const INVOKED: &str = "SELECT count(*) FROM attempts WHERE invocation_began_at IS NOT NULL";
+
+/// Runs one cell from start to verdict; nothing it started outlives it.
+pub async fn run_cell(cell: Cell, switches: Switches) -> CellResult {
+    let started = Instant::now();
+    let mut pg = None;
+    let mut nats = None;
+    let outcome = async {
+        if cell.fault == Fault::PostgresRestart {
+            pg = Some(PrivatePostgres::start().await?);
+        }
+        if cell.fault == Fault::NatsChaos {
+            nats = Some(PrivateNats::start().await?);
+        }
+        let cluster = Cluster::start_with(Topology {
+            gateways: usize::from(cell.fault != Fault::GatewayCrash),
+            executors: 0,
+            recoveries: usize::from(
+                !matches!(cell.fault, Fault::ClockSkew | Fault::RecoveryKilled),
+            ),
+            permit_limit: 8,
+            nats_url: nats.as_ref().map(PrivateNats::url),
+            postgres_admin_url: pg.as_ref().map(PrivatePostgres::admin_url),
+            ..Topology::default()
+        })
+        .await?;
+        let pool = cluster.db.pool(3).await?;
+        let mut run = Run {
+            cluster,
+            pool,
+            ids: Vec::new(),
+            allowance: 0,
+            switches,
+            expectations: Vec::new(),
+        };
+        let driven = tokio::time::timeout(
+            Duration::from_secs(150),
+            drive(&mut run, cell, &mut pg, &mut nats),
+        )
+        .await
+        .unwrap_or_else(|_| Err(anyhow::anyhow!("the cell did not finish within 150 s")));
+        if let Err(e) = &driven {
+            run.expectations.push(format!("run: {e:#}"));
+        }
+        let history = History::load(&run.pool).await?;
+        Ok::<_, anyhow::Error>((run, history))
+    }
+    .await;
+    let (violations, expectations, tally, kept) = match outcome {
+        Ok((run, history)) => {
+            let total = history.steps.len();
+            let expect = Expect {
+                capabilities: AdapterCapability::ALL
+                    .iter()
+                    .map(|c| (format!("http-{c}"), *c))
+                    .collect(),
+                permit_limit: 8,
+                min_completed: total.saturating_sub(run.allowance).max(1),
+            };
+            let violations = history.check(&expect);
+            let tally = history.tally();
+            let Run {
+                cluster,
+                pool,
+                expectations,
+                ..
+            } = run;
+            pool.close().await;
+            let kept = if violations.is_empty() && expectations.is_empty() {
+                None
+            } else {
+                keep(&cell, &cluster, &history).ok()
+            };
+            let _ = cluster.stop().await;
+            (violations, expectations, tally, kept)
+        }
+        Err(e) => (
+            Vec::new(),
+            vec![format!("setup: {e:#}")],
+            Tally::default(),
+            None,
+        ),
+    };
+    if let Some(pg) = pg {
+        pg.stop().await;
+    }
+    if let Some(n) = nats {
+        n.stop().await;
+    }
+    CellResult {
+        cell,
+        violations,
+        expectations,
+        tally,
+        elapsed: started.elapsed(),
+        kept,
+    }
+}
+
+/// Copies a failed cell's logs and history under `target/fault-matrix/`.
+fn keep(cell: &Cell, cluster: &Cluster, history: &History) -> Result<std::path::PathBuf> {
+    let name: String = cell
+        .to_string()
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+        .collect();
+    let dir = std::env::var("Z29C_MATRIX_KEEP")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|_| std::env::temp_dir().join("z29c-fault-matrix"))
+        .join(name);
+    std::fs::create_dir_all(&dir)?;
+    history.save(&dir.join("history.json"))?;
+    for entry in std::fs::read_dir(cluster.dir())? {
+        let entry = entry?;
+        let _ = std::fs::copy(entry.path(), dir.join(entry.file_name()));
+    }
+    Ok(dir)
+}
+
+async fn drive(
+    run: &mut Run,
+    cell: Cell,
+    pg: &mut Option<PrivatePostgres>,
+    nats: &mut Option<PrivateNats>,
+) -> Result<()> {
+    let cap = cell.cap;
+    let target = cap.adapter(0);
+    let opaque_target = cap.is_opaque() || (cap == Cap::Mixed && target == "http-opaque");
+    let long = Duration::from_secs(90);
+    match cell.fault {
+        Fault::Crash(k) => {
+            let point = k.point();
+            let s = point.to_string();
+            run.executor(&[
+                ("Z29C_FAULT_CRASH", s.as_str()),
+                ("Z29C_WORKERS", "1"),
+                ("Z29C_CLAIM_BATCH", "1"),
+            ])
+            .await?;
+            if opaque_target && may_have_invoked(point) {
+                run.allowance += 2;
+            }
+            run.submit("target", &target, "target", 2, policy(), None)
+                .await?;
+            run.wait_exit("executor-1", Duration::from_secs(30)).await?;
+            run.cluster
+                .restart("executor-1", &["Z29C_FAULT_CRASH"])
+                .await?;
+            run.healthy(cap, 2).await?;
+            run.cluster.wait_all_ended(&run.ids, long).await?;
+        }
+        Fault::Pause => {
+            run.executor(&[]).await?;
+            run.cluster
+                .set_faults("target", json!({ "answer_delay_ms": 600 }))
+                .await?;
+            if opaque_target {
+                run.allowance += 2;
+            }
+            run.submit("target", &target, "target", 2, policy(), None)
+                .await?;
+            run.wait_for(INVOKED, "the invocation", Duration::from_secs(20))
+                .await?;
+            run.cluster.process("executor-1").context("executor-1")?.pause()?;
+            run.executor(&[]).await?;
+            tokio::time::sleep(Duration::from_millis(4_000)).await;
+            run.cluster.process("executor-1").context("executor-1")?.resume()?;
+            run.cluster.set_faults("target", json!({})).await?;
+            run.wait_for(
+                "SELECT count(*) FROM late_observations",
+                "the paused worker's late result",
+                Duration::from_secs(20),
+            )
+            .await?;
+            run.healthy(cap, 2).await?;
+            run.cluster.wait_all_ended(&run.ids, long).await?;
+        }
+        Fault::ClockSkew => {
+            let lib = faketime_library()?;
+            let skewed = |offset: &'static str| {
+                vec![
+                    ("LD_PRELOAD", lib.clone()),
+                    ("FAKETIME", offset.to_owned()),
+                    ("FAKETIME_DONT_FAKE_MONOTONIC", "1".to_owned()),
+                ]
+            };
+            for offset in ["+7m", "-7m"] {
+                let env = skewed(offset);
+                let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+                run.executor(&env).await?;
+            }
+            let env = skewed("+3m");
+            let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+            run.cluster.add_recovery_with(&env).await?;
+            run.cluster
+                .set_faults("target", json!({ "answer_delay_ms": 400 }))
+                .await?;
+            for i in 0..3 {
+                if cap.adapter(i) == "http-opaque" {
+                    run.allowance += 2;
+                }
+                run.submit(&format!("target-{i}"), &cap.adapter(i), "target", 2, policy(), None)
+                    .await?;
+            }
+            // force a takeover under skewed clocks: pause one worker past its lease
+            run.wait_for(INVOKED, "an invocation", Duration::from_secs(20))
+                .await?;
+            run.cluster.process("executor-1").context("executor-1")?.pause()?;
+            tokio::time::sleep(Duration::from_millis(3_000)).await;
+            run.cluster.process("executor-1").context("executor-1")?.resume()?;
+            run.healthy(cap, 6).await?;
+            run.cluster.wait_all_ended(&run.ids, long).await?;
+            let skew = log_clock_skew(&run.cluster.dir().join("executor-1.log"))?;
+            run.expect(
+                skew >= chrono::Duration::minutes(6),
+                format!("executor-1's clock was not skewed (log runs {skew} ahead)"),
+            );
+        }
+        Fault::DbCut => {
+            let proxy = Proxy::start(upstream(run.cluster.db.url())?).await?;
+            let via = via_proxy(run.cluster.db.url(), proxy.port)?;
+            run.executor(&[("Z29C_DATABASE_URL", via.as_str())]).await?;
+            run.cluster
+                .set_faults("target", json!({ "answer_delay_ms": 2_500 }))
+                .await?;
+            if opaque_target {
+                run.allowance += 2;
+            }
+            run.submit("target", &target, "target", 2, policy(), None)
+                .await?;
+            run.wait_for(INVOKED, "the invocation", Duration::from_secs(20))
+                .await?;
+            let cut = tokio::spawn({
+                let proxy = proxy.clone();
+                async move { proxy.cut_for(Duration::from_millis(4_000)).await }
+            });
+            run.executor(&[]).await?;
+            cut.await?;
+            run.cluster.set_faults("target", json!({})).await?;
+            run.healthy(cap, 2).await?;
+            run.cluster.wait_all_ended(&run.ids, long).await?;
+            let n = run.count("SELECT count(*) FROM recovery_decisions").await;
+            run.expect(n > 0, "the cut worker's lease was never recovered");
+        }
+        Fault::CommitDrop(after) => {
+            let proxy = Proxy::start(upstream(run.cluster.db.url())?).await?;
+            let via = via_proxy(run.cluster.db.url(), proxy.port)?;
+            run.executor(&[
+                ("Z29C_DATABASE_URL", via.as_str()),
+                ("Z29C_WORKERS", "1"),
+                ("Z29C_CLAIM_BATCH", "1"),
+            ])
+            .await?;
+            run.cluster
+                .set_faults("target", json!({ "answer_delay_ms": 800 }))
+                .await?;
+            if opaque_target && !after {
+                run.allowance += 2;
+            }
+            let mut p = policy();
+            p.lease_ms = 6_000;
+            p.renew_every_ms = 3_000;
+            p.attempt_deadline_ms = 20_000;
+            p.adapter_timeout_ms = 3_000;
+            run.submit("target", &target, "target", 1, p, None).await?;
+            run.wait_for(INVOKED, "the invocation", Duration::from_secs(20))
+                .await?;
+            proxy
+                .trap_next_commit(if after {
+                    CommitTrap::DropAfter
+                } else {
+                    CommitTrap::DropBefore
+                })
+                .await;
+            let start = Instant::now();
+            while !proxy.sprung() && start.elapsed() < Duration::from_secs(15) {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            run.expect(proxy.sprung(), "no COMMIT was dropped");
+            run.cluster.set_faults("target", json!({})).await?;
+            run.healthy(cap, 2).await?;
+            run.cluster.wait_all_ended(&run.ids, long).await?;
+            let direct = run
+                .count("SELECT count(*) FROM step_receipts r JOIN steps s ON s.id = r.step_id JOIN workflows w ON w.id = s.workflow_id WHERE w.client_key = 'target' AND r.verification = 'direct'")
+                .await;
+            // after: the receipt committed though its worker never heard; before: it did not
+            run.expect(
+                (direct == 1) == after,
+                format!("target's direct receipts: {direct} (commit dropped after: {after})"),
+            );
+        }
+        Fault::GatewayCrash => {
+            run.cluster
+                .add_gateway_with(8, &[("Z29C_FAULT_CRASH_AFTER_DESTINATION", "true")])
+                .await?;
+            run.executor(&[]).await?;
+            if opaque_target {
+                run.allowance += 2;
+            }
+            run.submit("target", &target, "target", 2, policy(), None)
+                .await?;
+            run.wait_exit("gateway-1", Duration::from_secs(20)).await?;
+            run.cluster
+                .restart("gateway-1", &["Z29C_FAULT_CRASH_AFTER_DESTINATION"])
+                .await?;
+            run.healthy(cap, 2).await?;
+            run.cluster.wait_all_ended(&run.ids, long).await?;
+            let effects = run.count("SELECT count(*) FROM destination.ledger WHERE route = 'target'").await;
+            run.expect(effects >= 1, "the destination never committed the target");
+        }
+        Fault::OversizedReply => {
+            run.executor(&[]).await?;
+            run.cluster
+                .set_faults("target", json!({ "oversized_bytes": 300_000 }))
+                .await?;
+            if cap != Cap::One(AdapterCapability::Queryable) {
+                // idempotent: every retry is oversized too, until review; opaque: review
+                run.allowance += 1;
+            }
+            let mut p = policy();
+            p.max_attempts = 2;
+            run.submit("target", &target, "target", 1, p, None).await?;
+            run.healthy(cap, 2).await?;
+            run.cluster.wait_all_ended(&run.ids, long).await?;
+            let n = run.count("SELECT count(*) FROM recovery_decisions").await;
+            run.expect(n > 0, "the oversized answer was not treated as unknown");
+        }
+        Fault::Deadline(d, late) => {
+            run.executor(&[]).await?;
+            let mut p = policy();
+            let mut deadline = None;
+            let (before_ms, after_ms) = match d {
+                Deadline::Adapter => {
+                    p.lease_ms = 4_000;
+                    p.renew_every_ms = 1_000;
+                    p.adapter_timeout_ms = 1_000;
+                    (600, 1_400)
+                }
+                Deadline::Lease => {
+                    p.lease_ms = 2_000;
+                    p.renew_every_ms = 1_000;
+                    p.adapter_timeout_ms = 8_000;
+                    (1_000, 1_900)
+                }
+                Deadline::Attempt => {
+                    p.lease_ms = 3_000;
+                    p.renew_every_ms = 1_000;
+                    p.attempt_deadline_ms = 3_000;
+                    p.adapter_timeout_ms = 8_000;
+                    (1_800, 2_900)
+                }
+                Deadline::Workflow => {
+                    p.lease_ms = 4_000;
+                    p.renew_every_ms = 1_000;
+                    p.adapter_timeout_ms = 8_000;
+                    deadline = Some(2_500);
+                    (800, 3_000)
+                }
+            };
+            let delay = if late { after_ms } else { before_ms };
+            run.cluster
+                .set_faults("target", json!({ "answer_delay_ms": delay }))
+                .await?;
+            if late && (opaque_target || d == Deadline::Workflow) {
+                run.allowance += 1;
+            }
+            run.submit("target", &target, "target", 1, p, deadline)
+                .await?;
+            run.wait_for(
+                "SELECT count(*) FROM destination.ledger WHERE route = 'target'",
+                "the target's effect",
+                Duration::from_secs(20),
+            )
+            .await?;
+            run.healthy(cap, 2).await?;
+            run.cluster.wait_all_ended(&run.ids, long).await?;
+            let recovered = run
+                .count("SELECT count(*) FROM recovery_decisions")
+                .await;
+            run.expect(
+                (recovered > 0) == late,
+                format!("recovery decisions {recovered}: expected some only when the answer is late"),
+            );
+        }
+        Fault::NatsChaos => {
+            run.executor(&[]).await?;
+            run.executor(&[]).await?;
+            for i in 0..12 {
+                if cap.adapter(i) == "http-opaque" {
+                    run.allowance += 2;
+                }
+                run.submit(&format!("load-{i}"), &cap.adapter(i), "load", 2, policy(), None)
+                    .await?;
+            }
+            let nats_url = run.cluster.nats_url.clone();
+            let bus = z29c_bus::Bus::connect(&nats_url, &run.cluster.prefix).await?;
+            let subject = bus.names().subject(z29c_bus::Topic::StepReady);
+            for i in 0..100u32 {
+                let _ = bus
+                    .client()
+                    .publish(subject.clone(), vec![0xff, 0x00, 0x13].into())
+                    .await;
+                let hint = z29c_bus::step_ready(&format!("dup-{}", i % 5), "nope", "nope");
+                let _ = bus
+                    .client()
+                    .publish(subject.clone(), prost::Message::encode_to_vec(&hint).into())
+                    .await;
+            }
+            let _ = bus.purge().await;
+            run.cluster.process("executor-1").context("executor-1")?.kill().await?;
+            nats.as_mut()
+                .context("private NATS")?
+                .crash_and_restart(Duration::from_millis(1_500))
+                .await?;
+            run.cluster.restart("executor-1", &[]).await?;
+            run.healthy(cap, 6).await?;
+            run.cluster.wait_all_ended(&run.ids, long).await?;
+        }
+        Fault::RecoveryKilled => {
+            for _ in 0..2 {
+                run.cluster
+                    .add_recovery_with(&[("Z29C_RECOVERY_LEASE_MS", "2000")])
+                    .await?;
+            }
+            run.executor(&[
+                ("Z29C_FAULT_CRASH", "after_invocation_began"),
+                ("Z29C_WORKERS", "1"),
+                ("Z29C_CLAIM_BATCH", "1"),
+            ])
+            .await?;
+            if cap == Cap::One(AdapterCapability::Queryable) {
+                run.cluster
+                    .set_faults("target", json!({ "query_delay_ms": 3_000 }))
+                    .await?;
+            }
+            if opaque_target {
+                run.allowance += 2;
+            }
+            run.submit("target", &target, "target", 2, policy(), None)
+                .await?;
+            run.wait_exit("executor-1", Duration::from_secs(20)).await?;
+            run.wait_for(
+                "SELECT count(*) FROM recovery_decisions",
+                "a recovery decision",
+                Duration::from_secs(20),
+            )
+            .await?;
+            let owner: String =
+                sqlx::query_scalar("SELECT owner FROM recovery_decisions ORDER BY decided_at LIMIT 1")
+                    .fetch_one(&run.pool)
+                    .await?;
+            run.cluster.process(&owner).context("deciding recovery")?.kill().await?;
+            run.cluster.set_faults("target", json!({})).await?;
+            run.cluster
+                .restart("executor-1", &["Z29C_FAULT_CRASH"])
+                .await?;
+            run.healthy(cap, 2).await?;
+            run.cluster.wait_all_ended(&run.ids, long).await?;
+            if cap == Cap::One(AdapterCapability::Queryable) {
+                let owners = run
+                    .count("SELECT count(DISTINCT owner) FROM recovery_decisions")
+                    .await;
+                run.expect(owners >= 2, "the surviving recovery did not take over");
+            }
+        }
+        Fault::Poison => {
+            run.executor(&[]).await?;
+            run.cluster
+                .set_faults("poison", json!({ "server_error": 503 }))
+                .await?;
+            let mut p = policy();
+            p.max_attempts = 3;
+            for i in 0..4 {
+                run.submit(&format!("poison-{i}"), &target, "poison", 1, p, None)
+                    .await?;
+                run.allowance += 1;
+            }
+            run.healthy(cap, 2).await?;
+            run.cluster.wait_all_ended(&run.ids, long).await?;
+            let in_review = run
+                .count("SELECT count(*) FROM steps s JOIN workflows w ON w.id = s.workflow_id WHERE w.client_key LIKE 'poison-%' AND s.state = 'needs_review'")
+                .await;
+            run.expect(in_review == 4, format!("{in_review} of 4 poison steps in review"));
+            let too_many = run
+                .count("SELECT count(*) FROM (SELECT step_id FROM attempts GROUP BY step_id HAVING count(*) > 3) x")
+                .await;
+            run.expect(too_many == 0, "a poison step ran more attempts than max_attempts");
+            // retries are spaced by the capped, jittered backoff: never two attempts of one
+            // step closer than the base delay
+            let crowded = run
+                .count(
+                    "SELECT count(*) FROM (SELECT created_at - lag(created_at) OVER (PARTITION BY step_id ORDER BY number) AS gap FROM attempts) x WHERE gap < interval '250 milliseconds'",
+                )
+                .await;
+            run.expect(crowded == 0, format!("{crowded} retries came sooner than the backoff allows"));
+            if cap.is_opaque() {
+                let retried = run
+                    .count("SELECT count(*) FROM (SELECT step_id FROM attempts GROUP BY step_id HAVING count(*) > 1) x")
+                    .await;
+                run.expect(retried == 0, "an opaque poison step was retried");
+            }
+        }
+        Fault::PostgresRestart => {
+            run.executor(&[]).await?;
+            run.executor(&[]).await?;
+            run.cluster
+                .set_faults("load", json!({ "answer_delay_ms": 200 }))
+                .await?;
+            for i in 0..12 {
+                if cap.adapter(i) == "http-opaque" {
+                    run.allowance += 2;
+                }
+                run.submit(&format!("load-{i}"), &cap.adapter(i), "load", 2, policy(), None)
+                    .await?;
+            }
+            tokio::time::sleep(Duration::from_millis(1_000)).await;
+            pg.as_mut()
+                .context("private PostgreSQL")?
+                .crash_and_restart(Duration::from_millis(1_000))
+                .await?;
+            // the test's own pool reconnects by itself; wait for the services to answer
+            run.healthy(cap, 6).await.or_else(|_| Ok::<_, anyhow::Error>(()))?;
+            run.cluster.wait_all_ended(&run.ids, long).await?;
+            let mut dead = Vec::new();
+            for p in &mut run.cluster.processes {
+                if p.exited() {
+                    dead.push(p.name.clone());
+                }
+            }
+            run.expect(dead.is_empty(), format!("services died with PostgreSQL: {dead:?}"));
+        }
+    }
+    Ok(())
+}
+
+/// Whether a crash at `point` may leave an invocation without an answer.
+fn may_have_invoked(point: CrashPoint) -> bool {
+    point.checkpoint > Checkpoint::InvocationBegan
+        || (point.checkpoint == Checkpoint::InvocationBegan
+            && point.side == z29c_store::faults::Side::After)
+}
+
+fn faketime_library() -> Result<String> {
+    for p in [
+        "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1",
+        "/usr/lib/aarch64-linux-gnu/faketime/libfaketime.so.1",
+        "/usr/lib/faketime/libfaketime.so.1",
+    ] {
+        if std::path::Path::new(p).exists() {
+            return Ok(p.to_owned());
+        }
+    }
+    bail!("libfaketime not found: install the `faketime` package (scripts/services does)")
+}
+
+/// How far ahead of this process's clock the first timestamp in a service log is.
+fn log_clock_skew(log: &std::path::Path) -> Result<chrono::Duration> {
+    let text = std::fs::read_to_string(log)?;
+    let now = chrono::Utc::now();
+    for i in 0..text.len().saturating_sub(19) {
+        if let Some(window) = text.get(i..i + 19)
+            && let Ok(t) = chrono::NaiveDateTime::parse_from_str(window, "%Y-%m-%dT%H:%M:%S")
+        {
+            return Ok(t.and_utc() - now);
+        }
+    }
+    bail!("no timestamp in {}", log.display())
+}
+
+/// `host:port` of a database URL.
+fn upstream(url: &str) -> Result<String> {
+    let u = reqwest::Url::parse(url)?;
+    Ok(format!(
+        "{}:{}",
+        u.host_str().unwrap_or("127.0.0.1"),
+        u.port().unwrap_or(5432)
+    ))
+}
+
+/// The same database URL, through a local proxy port.
+fn via_proxy(url: &str, port: u16) -> Result<String> {
+    let mut u = reqwest::Url::parse(url)?;
+    u.set_host(Some("127.0.0.1"))?;
+    u.set_port(Some(port))
+        .map_err(|()| anyhow::anyhow!("cannot set a port on {url}"))?;
+    Ok(u.to_string())
+}
+
+/// Runs `cells`, `parallel` at a time, reporting each as it ends.
+pub async fn run_cells(
+    cells: Vec<Cell>,
+    parallel: usize,
+    switches: Switches,
+    mut progress: impl FnMut(usize, usize, &CellResult),
+) -> Vec<CellResult> {
+    let gate = Arc::new(Semaphore::new(parallel.max(1)));
+    let total = cells.len();
+    let mut tasks = tokio::task::JoinSet::new();
+    for cell in cells {
+        let gate = gate.clone();
+        tasks.spawn(async move {
+            let _slot = gate.acquire_owned().await;
+            run_cell(cell, switches).await
+        });
+    }
+    let mut out = Vec::new();
+    while let Some(r) = tasks.join_next().await {
+        if let Ok(r) = r {
+            progress(out.len() + 1, total, &r);
+            out.push(r);
+        }
+    }
+    out.sort_by_key(|r| r.cell);
+    out
+}
+
+/// The matrix as a table: one row per fault, one column per capability; each cell says
+/// which invariants held and how many steps completed.
+pub fn table(results: &[CellResult]) -> String {
+    let columns = [
+        Cap::One(AdapterCapability::Idempotent),
+        Cap::One(AdapterCapability::Queryable),
+        Cap::One(AdapterCapability::Opaque),
+        Cap::Mixed,
+    ];
+    let mut rows: BTreeMap<Fault, BTreeMap<Cap, &CellResult>> = BTreeMap::new();
+    for r in results {
+        rows.entry(r.cell.fault).or_default().insert(r.cell.cap, r);
+    }
+    let width = rows
+        .keys()
+        .map(|f| f.to_string().len())
+        .max()
+        .unwrap_or(10);
+    let mut out = format!("{:width$}", "fault \\ adapter capability");
+    for c in columns {
+        out.push_str(&format!(" | {:22}", c.label()));
+    }
+    out.push('\n');
+    out.push_str(&"-".repeat(width + columns.len() * 25));
+    out.push('\n');
+    for (fault, cells) in &rows {
+        out.push_str(&format!("{:width$}", fault.to_string()));
+        for c in columns {
+            let text = match cells.get(&c) {
+                None => String::new(),
+                Some(r) if r.passed() => format!(
+                    "ABCDEF ok {}/{} {:.0}s",
+                    r.tally.completed,
+                    r.tally.steps,
+                    r.elapsed.as_secs_f64()
+                ),
+                Some(r) => {
+                    let mut broken: Vec<&str> = Invariant::ALL
+                        .iter()
+                        .filter(|i| r.violations.iter().any(|v| v.invariant == **i))
+                        .map(|i| i.label())
+                        .collect();
+                    if !r.expectations.is_empty() {
+                        broken.push("expect");
+                    }
+                    format!("FAIL {}", broken.join(","))
+                }
+            };
+            out.push_str(&format!(" | {text:22}"));
+        }
+        out.push('\n');
+    }
+    let passed = results.iter().filter(|r| r.passed()).count();
+    out.push_str(&format!(
+        "\n{passed}/{} cells passed. A–F: DESIGN.md §1 invariants as issue 5 states them; \
+         ok n/m: steps completed of steps submitted; every cell also checks that its fault bit.\n",
+        results.len()
+    ));
+    for r in results.iter().filter(|r| !r.passed()) {
+        out.push_str(&format!("\n{}:\n", r.cell));
+        for v in &r.violations {
+            out.push_str(&format!("  violation {v}\n"));
+        }
+        for e in &r.expectations {
+            out.push_str(&format!("  expected {e}\n"));
+        }
+        if let Some(k) = &r.kept {
+            out.push_str(&format!("  history and logs kept in {}\n", k.display()));
+        }
+    }
+    out
+}

@@ -1,0 +1,325 @@
+//! The randomized soak: a mixed load over the three adapter capabilities while random
+//! processes are killed, paused and restarted and the destination misbehaves, for a set
+//! duration; then the faults heal and the history is checked with the matrix's checker.
+//!
+//! The whole fault schedule is drawn from the seed before the run starts, so a seed names a
+//! run: `z29c-scenarios soak --seed 7 --duration 10m` replays the same faults at the same
+//! offsets (the interleaving with the load still varies with the machine).
+
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use serde::Serialize;
+use serde_json::json;
+use z29c_core::AdapterCapability;
+use z29c_proto::v1::{self as pb};
+
+use crate::cluster::{Cluster, Topology, chain};
+use crate::history::{Expect, History, Tally, Violation};
+
+/// One scheduled fault.
+#[derive(Debug, Clone, Serialize)]
+pub enum Action {
+    /// SIGKILL a process; restart it after `down_ms`.
+    Kill { process: String, down_ms: u64 },
+    /// SIGSTOP a process for `ms` (longer than a lease, often).
+    Pause { process: String, ms: u64 },
+    /// Destination faults on a route for `ms`.
+    Destination {
+        route: String,
+        faults: serde_json::Value,
+        ms: u64,
+    },
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Scheduled {
+    pub at_ms: u64,
+    pub action: Action,
+}
+
+const EXECUTORS: usize = 3;
+const GATEWAYS: usize = 2;
+const RECOVERIES: usize = 2;
+const ROUTES: [&str; 3] = ["soak-a", "soak-b", "soak-c"];
+
+/// The fault schedule for `seed` over `duration`: one fault every 1.5–5 s.
+pub fn schedule(seed: u64, duration: Duration) -> Vec<Scheduled> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut at = 2_000u64;
+    let mut out = Vec::new();
+    let end = duration.as_millis() as u64;
+    while at < end {
+        let process = match rng.random_range(0..10) {
+            0..=4 => format!("executor-{}", rng.random_range(1..=EXECUTORS)),
+            5..=7 => format!("gateway-{}", rng.random_range(1..=GATEWAYS)),
+            _ => format!("recovery-{}", rng.random_range(1..=RECOVERIES)),
+        };
+        let action = match rng.random_range(0..10) {
+            0..=3 => Action::Kill {
+                process,
+                down_ms: rng.random_range(200..3_000),
+            },
+            4..=6 => Action::Pause {
+                process,
+                ms: rng.random_range(500..4_000),
+            },
+            _ => {
+                let route = ROUTES[rng.random_range(0..ROUTES.len())].to_owned();
+                let faults = match rng.random_range(0..4) {
+                    0 => json!({ "drop_response": true }),
+                    1 => json!({ "server_error": 503 }),
+                    2 => json!({ "answer_delay_ms": rng.random_range(500..2_500) }),
+                    _ => json!({ "rate_limit_ms": 1_000 }),
+                };
+                Action::Destination {
+                    route,
+                    faults,
+                    ms: rng.random_range(500..3_000),
+                }
+            }
+        };
+        out.push(Scheduled { at_ms: at, action });
+        at += rng.random_range(1_500..5_000);
+    }
+    out
+}
+
+/// What a soak found.
+#[derive(Debug, Clone, Serialize)]
+pub struct SoakReport {
+    pub seed: u64,
+    pub duration_s: u64,
+    pub workflows: usize,
+    pub faults: usize,
+    pub kills: usize,
+    pub pauses: usize,
+    pub destination_faults: usize,
+    pub tally: Tally,
+    pub violations: Vec<Violation>,
+}
+
+fn policy() -> pb::LeasePolicy {
+    pb::LeasePolicy {
+        lease_ms: 2_000,
+        renew_every_ms: 500,
+        attempt_deadline_ms: 10_000,
+        final_grace_ms: 500,
+        adapter_timeout_ms: 1_200,
+        max_attempts: 6,
+        ..Default::default()
+    }
+}
+
+/// Runs one soak. `progress` gets a line now and then.
+pub async fn soak(
+    seed: u64,
+    duration: Duration,
+    mut progress: impl FnMut(String),
+) -> Result<SoakReport> {
+    let plan = schedule(seed, duration);
+    let mut cluster = Cluster::start_with(Topology {
+        gateways: GATEWAYS,
+        executors: EXECUTORS,
+        recoveries: RECOVERIES,
+        permit_limit: 6,
+        ..Topology::default()
+    })
+    .await?;
+    let pool = cluster.db.pool(3).await?;
+    let mut client = cluster.client().await?;
+    let started = Instant::now();
+    let mut ids = Vec::new();
+    let mut next = 0usize;
+    let mut rng = StdRng::seed_from_u64(seed ^ 0x5eed);
+    let mut pending: Vec<(Instant, Heal)> = Vec::new();
+    let mut last_report = Instant::now();
+    while started.elapsed() < duration {
+        // the load: a few workflows every 200 ms over the three capabilities and routes
+        for _ in 0..rng.random_range(0..3) {
+            let n = ids.len();
+            let mut req = chain(
+                &format!("soak-{n}"),
+                ROUTES[n % ROUTES.len()],
+                rng.random_range(1..=3),
+            );
+            for s in &mut req.steps {
+                s.adapter = format!("http-{}", AdapterCapability::ALL[n % 3]);
+                s.policy = Some(policy());
+            }
+            if let Ok(r) = client.submit(req).await {
+                ids.push(r.into_inner().workflow.context("no workflow")?.id);
+            }
+        }
+        let now = started.elapsed().as_millis() as u64;
+        while next < plan.len() && plan[next].at_ms <= now {
+            let heal = apply(&mut cluster, &plan[next].action).await;
+            match heal {
+                Ok(Some((after, h))) => pending.push((Instant::now() + after, h)),
+                Ok(None) => {}
+                Err(e) => progress(format!("fault {next} not applied: {e:#}")),
+            }
+            next += 1;
+        }
+        let due: Vec<Heal> = {
+            let (due, keep): (Vec<_>, Vec<_>) =
+                pending.drain(..).partition(|(t, _)| *t <= Instant::now());
+            pending = keep;
+            due.into_iter().map(|(_, h)| h).collect()
+        };
+        for h in due {
+            if let Err(e) = heal(&mut cluster, h).await {
+                progress(format!("heal failed: {e:#}"));
+            }
+        }
+        if last_report.elapsed() > Duration::from_secs(30) {
+            last_report = Instant::now();
+            let done: i64 =
+                sqlx::query_scalar("SELECT count(*) FROM steps WHERE state = 'completed'")
+                    .fetch_one(&pool)
+                    .await
+                    .unwrap_or(-1);
+            progress(format!(
+                "seed {seed}: {:>4}s, {} workflows submitted, {} faults injected, {done} steps completed",
+                started.elapsed().as_secs(),
+                ids.len(),
+                next
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // heal everything, then let the system finish
+    for (_, h) in pending.drain(..) {
+        let _ = heal(&mut cluster, h).await;
+    }
+    for route in ROUTES {
+        cluster.set_faults(route, json!({})).await?;
+    }
+    for name in all_processes() {
+        if let Some(p) = cluster.process(&name) {
+            if p.exited() {
+                cluster.restart(&name, &[]).await?;
+            } else {
+                let _ = p.resume();
+            }
+        }
+    }
+    progress(format!(
+        "seed {seed}: load stopped; waiting for {} workflows to end",
+        ids.len()
+    ));
+    cluster
+        .wait_all_ended(&ids, Duration::from_secs(300))
+        .await?;
+    let history = History::load(&pool).await?;
+    let total = history.steps.len();
+    let expect = Expect {
+        capabilities: AdapterCapability::ALL
+            .iter()
+            .map(|c| (format!("http-{c}"), *c))
+            .collect(),
+        permit_limit: 6,
+        // opaque unknowns and exhausted retries end in review; most must complete
+        min_completed: total / 2,
+    };
+    let violations = history.check(&expect);
+    if !violations.is_empty() {
+        let keep = std::env::temp_dir().join(format!("z29c-soak-{seed}"));
+        std::fs::create_dir_all(&keep)?;
+        history.save(&keep.join("history.json"))?;
+        for entry in std::fs::read_dir(cluster.dir())? {
+            let entry = entry?;
+            let _ = std::fs::copy(entry.path(), keep.join(entry.file_name()));
+        }
+        progress(format!("history and logs kept in {}", keep.display()));
+    }
+    let count = |f: fn(&Action) -> bool| plan[..next].iter().filter(|s| f(&s.action)).count();
+    let report = SoakReport {
+        seed,
+        duration_s: duration.as_secs(),
+        workflows: ids.len(),
+        faults: next,
+        kills: count(|a| matches!(a, Action::Kill { .. })),
+        pauses: count(|a| matches!(a, Action::Pause { .. })),
+        destination_faults: count(|a| matches!(a, Action::Destination { .. })),
+        tally: history.tally(),
+        violations,
+    };
+    pool.close().await;
+    cluster.stop().await?;
+    Ok(report)
+}
+
+fn all_processes() -> Vec<String> {
+    (1..=EXECUTORS)
+        .map(|i| format!("executor-{i}"))
+        .chain((1..=GATEWAYS).map(|i| format!("gateway-{i}")))
+        .chain((1..=RECOVERIES).map(|i| format!("recovery-{i}")))
+        .collect()
+}
+
+enum Heal {
+    Restart(String),
+    Resume(String),
+    ClearRoute(String),
+}
+
+async fn apply(cluster: &mut Cluster, action: &Action) -> Result<Option<(Duration, Heal)>> {
+    Ok(match action {
+        Action::Kill { process, down_ms } => {
+            let p = cluster.process(process).context("process")?;
+            if p.exited() {
+                return Ok(None);
+            }
+            p.kill().await?;
+            Some((Duration::from_millis(*down_ms), Heal::Restart(process.clone())))
+        }
+        Action::Pause { process, ms } => {
+            let p = cluster.process(process).context("process")?;
+            if p.exited() {
+                return Ok(None);
+            }
+            p.pause()?;
+            Some((Duration::from_millis(*ms), Heal::Resume(process.clone())))
+        }
+        Action::Destination { route, faults, ms } => {
+            cluster.set_faults(route, faults.clone()).await?;
+            Some((Duration::from_millis(*ms), Heal::ClearRoute(route.clone())))
+        }
+    })
+}
+
+async fn heal(cluster: &mut Cluster, h: Heal) -> Result<()> {
+    match h {
+        Heal::Restart(name) => cluster.restart(&name, &[]).await,
+        Heal::Resume(name) => cluster.process(&name).context("process")?.resume(),
+        Heal::ClearRoute(route) => cluster.set_faults(&route, json!({})).await,
+    }
+}
+
+impl SoakReport {
+    pub fn summary(&self) -> String {
+        format!(
+            "seed {} · {} s · {} workflows ({} steps): {} completed, {} failed, {} in review · \
+             {} faults ({} kills, {} pauses, {} destination faults) · {} recoveries, {} late \
+             observations, {} external effects · violations: {}",
+            self.seed,
+            self.duration_s,
+            self.workflows,
+            self.tally.steps,
+            self.tally.completed,
+            self.tally.failed,
+            self.tally.in_review,
+            self.faults,
+            self.kills,
+            self.pauses,
+            self.destination_faults,
+            self.tally.recoveries,
+            self.tally.late_observations,
+            self.tally.effects,
+            self.violations.len()
+        )
+    }
+}
