@@ -102,7 +102,10 @@ async fn pipe(client: TcpStream, state: Arc<State>) {
                     Ok(0) | Err(_) => return,
                     Ok(n) => n,
                 };
-                if severed.load(Ordering::SeqCst) || cw.write_all(&buf[..n]).await.is_err() {
+                if severed.load(Ordering::SeqCst) {
+                    continue; // the answer to the trapped COMMIT is swallowed
+                }
+                if cw.write_all(&buf[..n]).await.is_err() {
                     return;
                 }
             }
@@ -126,9 +129,9 @@ async fn pipe(client: TcpStream, state: Arc<State>) {
                     Some(CommitTrap::DropAfter) => {
                         severed.store(true, Ordering::SeqCst);
                         let _ = sw.write_all(chunk).await;
+                        state.sprung.store(true, Ordering::SeqCst);
                         // let the server commit, then vanish without its answer
                         tokio::time::sleep(Duration::from_millis(300)).await;
-                        state.sprung.store(true, Ordering::SeqCst);
                         return;
                     }
                     None => {}
