@@ -256,7 +256,10 @@ impl Cluster {
             name: name.to_owned(),
             child: cmd.spawn().with_context(|| format!("start {name}"))?,
             args: args.iter().map(|a| (*a).to_owned()).collect(),
-            env: env.iter().map(|(k, v)| ((*k).to_owned(), v.clone())).collect(),
+            env: env
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), v.clone()))
+                .collect(),
         })
     }
 
@@ -309,7 +312,11 @@ impl Cluster {
     /// Starts one more gateway with extra environment. It serves the adapter `http` with the
     /// topology's capability, and `http-idempotent`, `http-queryable` and `http-opaque`, all
     /// on the destination, for runs that mix capabilities.
-    pub async fn add_gateway_with(&mut self, permit_limit: u32, extra: &[(&str, &str)]) -> Result<()> {
+    pub async fn add_gateway_with(
+        &mut self,
+        permit_limit: u32,
+        extra: &[(&str, &str)],
+    ) -> Result<()> {
         self.gateways += 1;
         let port = free_port()?;
         let config = self.dir.join(format!("gateway-{}.toml", self.gateways));

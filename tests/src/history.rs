@@ -357,7 +357,10 @@ impl History {
             if let Some(newer) = events.iter().find(|e| {
                 e.lease_version > r.lease_version
                     && e.at < r.committed_at
-                    && matches!(e.kind.as_str(), "lease_acquired" | "recovery_lease_acquired")
+                    && matches!(
+                        e.kind.as_str(),
+                        "lease_acquired" | "recovery_lease_acquired"
+                    )
             }) {
                 v(
                     Invariant::B,
@@ -420,9 +423,10 @@ impl History {
                 // waiting behind a step in review, or stopped with its workflow
                 "blocked" => {
                     s.workflow_state != "running"
-                        || self.steps.iter().any(|o| {
-                            o.workflow_id == s.workflow_id && o.state == "needs_review"
-                        })
+                        || self
+                            .steps
+                            .iter()
+                            .any(|o| o.workflow_id == s.workflow_id && o.state == "needs_review")
                 }
                 _ => false,
             };
@@ -464,15 +468,10 @@ impl History {
             if invoked.len() > 1 {
                 v(
                     Invariant::D,
-                    format!(
-                        "opaque step {}: {} invocations began",
-                        s.id,
-                        invoked.len()
-                    ),
+                    format!("opaque step {}: {} invocations began", s.id, invoked.len()),
                 );
             }
-            if !invoked.is_empty() && !receipts.contains_key(&s.id) && s.state != "needs_review"
-            {
+            if !invoked.is_empty() && !receipts.contains_key(&s.id) && s.state != "needs_review" {
                 v(
                     Invariant::D,
                     format!(
@@ -530,7 +529,8 @@ impl History {
         }
 
         // F: permits in flight never above the limit
-        let mut by_class: BTreeMap<(&str, &str), Vec<(DateTime<Utc>, i32)>> = BTreeMap::new();
+        type Changes = Vec<(DateTime<Utc>, i32)>;
+        let mut by_class: BTreeMap<(&str, &str), Changes> = BTreeMap::new();
         for p in &self.permits {
             let e = by_class
                 .entry((p.adapter.as_str(), p.operation_class.as_str()))

@@ -30,11 +30,22 @@ fn pg_bin(name: &str) -> Result<PathBuf> {
         .output()
         .ok()
         .map(|o| PathBuf::from(String::from_utf8_lossy(&o.stdout).trim()).join(name));
-    let candidates = from_config.into_iter().chain(
-        ["/usr/lib/postgresql/15/bin", "/usr/local/bin", "/usr/bin"]
-            .iter()
-            .map(|d| Path::new(d).join(name)),
-    );
+    // Debian keeps the server binaries per version, outside PATH
+    let mut debian: Vec<PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
+        .map(|d| {
+            d.filter_map(|e| Some(e.ok()?.path().join("bin").join(name)))
+                .collect()
+        })
+        .unwrap_or_default();
+    debian.sort();
+    let candidates = from_config
+        .into_iter()
+        .chain(debian.into_iter().rev())
+        .chain(
+            ["/usr/local/bin", "/usr/bin"]
+                .iter()
+                .map(|d| Path::new(d).join(name)),
+        );
     for c in candidates {
         if c.exists() {
             return Ok(c);
@@ -179,8 +190,7 @@ pub struct PrivateNats {
 
 impl PrivateNats {
     pub async fn start() -> Result<Self> {
-        let dir =
-            std::env::temp_dir().join(format!("z29c-nats-{}", uuid::Uuid::new_v4().simple()));
+        let dir = std::env::temp_dir().join(format!("z29c-nats-{}", uuid::Uuid::new_v4().simple()));
         std::fs::create_dir_all(&dir)?;
         let mut n = Self {
             port: free_port()?,
@@ -197,7 +207,14 @@ impl PrivateNats {
 
     async fn spawn(&mut self) -> Result<()> {
         let child = Command::new("nats-server")
-            .args(["-a", "127.0.0.1", "-p", &self.port.to_string(), "-js", "-sd"])
+            .args([
+                "-a",
+                "127.0.0.1",
+                "-p",
+                &self.port.to_string(),
+                "-js",
+                "-sd",
+            ])
             .arg(&self.dir)
             .stdout(Stdio::null())
             .stderr(Stdio::null())

@@ -14,7 +14,10 @@ use clap::{Parser, Subcommand};
 use z29c_scenarios::{matrix, soak};
 
 #[derive(Parser)]
-#[command(name = "z29c-scenarios", about = "z29c's fault matrix and soak, on real processes")]
+#[command(
+    name = "z29c-scenarios",
+    about = "z29c's fault matrix and soak, on real processes"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -60,7 +63,10 @@ async fn main() -> Result<()> {
         } => {
             let cells: Vec<_> = matrix::cells()
                 .into_iter()
-                .filter(|c| only.as_ref().is_none_or(|o| c.to_string().contains(o.as_str())))
+                .filter(|c| {
+                    only.as_ref()
+                        .is_none_or(|o| c.to_string().contains(o.as_str()))
+                })
                 .collect();
             if cells.is_empty() {
                 bail!("--only {only:?} matches no cell");

@@ -46,7 +46,10 @@ impl Ord for Cap {
 impl Cap {
     fn rank(self) -> usize {
         match self {
-            Cap::One(c) => AdapterCapability::ALL.iter().position(|x| *x == c).unwrap_or(0),
+            Cap::One(c) => AdapterCapability::ALL
+                .iter()
+                .position(|x| *x == c)
+                .unwrap_or(0),
             Cap::Mixed => 3,
         }
     }
@@ -356,7 +359,12 @@ impl Run {
     async fn wait_exit(&mut self, name: &str, within: Duration) -> Result<()> {
         let start = Instant::now();
         loop {
-            if self.cluster.process(name).context("no such process")?.exited() {
+            if self
+                .cluster
+                .process(name)
+                .context("no such process")?
+                .exited()
+            {
                 return Ok(());
             }
             if start.elapsed() > within {
@@ -405,9 +413,10 @@ pub async fn run_cell(cell: Cell, switches: Switches) -> CellResult {
         let cluster = Cluster::start_with(Topology {
             gateways: usize::from(cell.fault != Fault::GatewayCrash),
             executors: 0,
-            recoveries: usize::from(
-                !matches!(cell.fault, Fault::ClockSkew | Fault::RecoveryKilled),
-            ),
+            recoveries: usize::from(!matches!(
+                cell.fault,
+                Fault::ClockSkew | Fault::RecoveryKilled
+            )),
             permit_limit: 8,
             nats_url: nats.as_ref().map(PrivateNats::url),
             postgres_admin_url: pg.as_ref().map(PrivatePostgres::admin_url),
@@ -555,10 +564,16 @@ async fn drive(
                 Duration::from_secs(20),
             )
             .await?;
-            run.cluster.process("executor-1").context("executor-1")?.pause()?;
+            run.cluster
+                .process("executor-1")
+                .context("executor-1")?
+                .pause()?;
             run.executor(&[]).await?;
             tokio::time::sleep(Duration::from_millis(4_000)).await;
-            run.cluster.process("executor-1").context("executor-1")?.resume()?;
+            run.cluster
+                .process("executor-1")
+                .context("executor-1")?
+                .resume()?;
             run.wait_for(
                 "SELECT count(*) FROM late_observations",
                 "the paused worker's late result",
@@ -592,15 +607,28 @@ async fn drive(
                 if cap.adapter(i) == "http-opaque" {
                     run.allowance += 2;
                 }
-                run.submit(&format!("target-{i}"), &cap.adapter(i), "target", 2, policy(), None)
-                    .await?;
+                run.submit(
+                    &format!("target-{i}"),
+                    &cap.adapter(i),
+                    "target",
+                    2,
+                    policy(),
+                    None,
+                )
+                .await?;
             }
             // force a takeover under skewed clocks: pause one worker past its lease
             run.wait_for(INVOKED, "an invocation", Duration::from_secs(20))
                 .await?;
-            run.cluster.process("executor-1").context("executor-1")?.pause()?;
+            run.cluster
+                .process("executor-1")
+                .context("executor-1")?
+                .pause()?;
             tokio::time::sleep(Duration::from_millis(3_000)).await;
-            run.cluster.process("executor-1").context("executor-1")?.resume()?;
+            run.cluster
+                .process("executor-1")
+                .context("executor-1")?
+                .resume()?;
             run.healthy(cap, 6).await?;
             run.cluster.wait_all_ended(&run.ids, long).await?;
             let skew = log_clock_skew(&run.cluster.dir().join("executor-1.log"))?;
@@ -699,7 +727,9 @@ async fn drive(
                 .await?;
             run.healthy(cap, 2).await?;
             run.cluster.wait_all_ended(&run.ids, long).await?;
-            let effects = run.count("SELECT count(*) FROM destination.ledger WHERE route = 'target'").await;
+            let effects = run
+                .count("SELECT count(*) FROM destination.ledger WHERE route = 'target'")
+                .await;
             run.expect(effects >= 1, "the destination never committed the target");
         }
         Fault::OversizedReply => {
@@ -770,12 +800,12 @@ async fn drive(
             run.cluster.set_faults("target", json!({})).await?;
             run.healthy(cap, 2).await?;
             run.cluster.wait_all_ended(&run.ids, long).await?;
-            let recovered = run
-                .count("SELECT count(*) FROM recovery_decisions")
-                .await;
+            let recovered = run.count("SELECT count(*) FROM recovery_decisions").await;
             run.expect(
                 (recovered > 0) == late,
-                format!("recovery decisions {recovered}: expected some only when the answer is late"),
+                format!(
+                    "recovery decisions {recovered}: expected some only when the answer is late"
+                ),
             );
         }
         Fault::NatsChaos => {
@@ -785,8 +815,15 @@ async fn drive(
                 if cap.adapter(i) == "http-opaque" {
                     run.allowance += 2;
                 }
-                run.submit(&format!("load-{i}"), &cap.adapter(i), "load", 2, policy(), None)
-                    .await?;
+                run.submit(
+                    &format!("load-{i}"),
+                    &cap.adapter(i),
+                    "load",
+                    2,
+                    policy(),
+                    None,
+                )
+                .await?;
             }
             let nats_url = run.cluster.nats_url.clone();
             let bus = z29c_bus::Bus::connect(&nats_url, &run.cluster.prefix).await?;
@@ -803,7 +840,11 @@ async fn drive(
                     .await;
             }
             let _ = bus.purge().await;
-            run.cluster.process("executor-1").context("executor-1")?.kill().await?;
+            run.cluster
+                .process("executor-1")
+                .context("executor-1")?
+                .kill()
+                .await?;
             nats.as_mut()
                 .context("private NATS")?
                 .crash_and_restart(Duration::from_millis(1_500))
@@ -841,11 +882,16 @@ async fn drive(
                 Duration::from_secs(20),
             )
             .await?;
-            let owner: String =
-                sqlx::query_scalar("SELECT owner FROM recovery_decisions ORDER BY decided_at LIMIT 1")
-                    .fetch_one(&run.pool)
-                    .await?;
-            run.cluster.process(&owner).context("deciding recovery")?.kill().await?;
+            let owner: String = sqlx::query_scalar(
+                "SELECT owner FROM recovery_decisions ORDER BY decided_at LIMIT 1",
+            )
+            .fetch_one(&run.pool)
+            .await?;
+            run.cluster
+                .process(&owner)
+                .context("deciding recovery")?
+                .kill()
+                .await?;
             run.cluster.set_faults("target", json!({})).await?;
             run.cluster
                 .restart("executor-1", &["Z29C_FAULT_CRASH"])
@@ -876,11 +922,17 @@ async fn drive(
             let in_review = run
                 .count("SELECT count(*) FROM steps s JOIN workflows w ON w.id = s.workflow_id WHERE w.client_key LIKE 'poison-%' AND s.state = 'needs_review'")
                 .await;
-            run.expect(in_review == 4, format!("{in_review} of 4 poison steps in review"));
+            run.expect(
+                in_review == 4,
+                format!("{in_review} of 4 poison steps in review"),
+            );
             let too_many = run
                 .count("SELECT count(*) FROM (SELECT step_id FROM attempts WHERE state <> 'released' GROUP BY step_id HAVING count(*) > 3) x")
                 .await;
-            run.expect(too_many == 0, "a poison step ran more attempts than max_attempts");
+            run.expect(
+                too_many == 0,
+                "a poison step ran more attempts than max_attempts",
+            );
             // retries are spaced by the capped, jittered backoff: never two attempts of one
             // step closer than the base delay
             let crowded = run
@@ -888,7 +940,10 @@ async fn drive(
                     "SELECT count(*) FROM (SELECT created_at - lag(updated_at) OVER w AS gap, lag(state) OVER w AS before FROM attempts WINDOW w AS (PARTITION BY step_id ORDER BY number)) x WHERE before = 'expired' AND gap < interval '250 milliseconds'",
                 )
                 .await;
-            run.expect(crowded == 0, format!("{crowded} retries came sooner than the backoff allows"));
+            run.expect(
+                crowded == 0,
+                format!("{crowded} retries came sooner than the backoff allows"),
+            );
             if cap.is_opaque() {
                 let retried = run
                     .count("SELECT count(*) FROM (SELECT step_id FROM attempts WHERE invocation_began_at IS NOT NULL GROUP BY step_id HAVING count(*) > 1) x")
@@ -906,8 +961,15 @@ async fn drive(
                 if cap.adapter(i) == "http-opaque" {
                     run.allowance += 2;
                 }
-                run.submit(&format!("load-{i}"), &cap.adapter(i), "load", 2, policy(), None)
-                    .await?;
+                run.submit(
+                    &format!("load-{i}"),
+                    &cap.adapter(i),
+                    "load",
+                    2,
+                    policy(),
+                    None,
+                )
+                .await?;
             }
             tokio::time::sleep(Duration::from_millis(1_000)).await;
             pg.as_mut()
@@ -915,7 +977,9 @@ async fn drive(
                 .crash_and_restart(Duration::from_millis(1_000))
                 .await?;
             // the test's own pool reconnects by itself; wait for the services to answer
-            run.healthy(cap, 6).await.or_else(|_| Ok::<_, anyhow::Error>(()))?;
+            run.healthy(cap, 6)
+                .await
+                .or_else(|_| Ok::<_, anyhow::Error>(()))?;
             run.cluster.wait_all_ended(&run.ids, long).await?;
             let mut dead = Vec::new();
             for p in &mut run.cluster.processes {
@@ -923,7 +987,10 @@ async fn drive(
                     dead.push(p.name.clone());
                 }
             }
-            run.expect(dead.is_empty(), format!("services died with PostgreSQL: {dead:?}"));
+            run.expect(
+                dead.is_empty(),
+                format!("services died with PostgreSQL: {dead:?}"),
+            );
         }
     }
     Ok(())
@@ -1023,11 +1090,7 @@ pub fn table(results: &[CellResult]) -> String {
     for r in results {
         rows.entry(r.cell.fault).or_default().insert(r.cell.cap, r);
     }
-    let width = rows
-        .keys()
-        .map(|f| f.to_string().len())
-        .max()
-        .unwrap_or(10);
+    let width = rows.keys().map(|f| f.to_string().len()).max().unwrap_or(10);
     let mut out = format!("{:width$}", "fault \\ adapter capability");
     for c in columns {
         out.push_str(&format!(" | {:22}", c.label()));

@@ -274,7 +274,10 @@ async fn apply(cluster: &mut Cluster, action: &Action) -> Result<Option<(Duratio
                 return Ok(None);
             }
             p.kill().await?;
-            Some((Duration::from_millis(*down_ms), Heal::Restart(process.clone())))
+            Some((
+                Duration::from_millis(*down_ms),
+                Heal::Restart(process.clone()),
+            ))
         }
         Action::Pause { process, ms } => {
             let p = cluster.process(process).context("process")?;

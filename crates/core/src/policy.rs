@@ -522,6 +522,9 @@ mod tests {
             let distinct: std::collections::BTreeSet<_> = samples.iter().collect();
             assert!(distinct.len() > 1, "attempt {n}: no jitter in {samples:?}");
         }
-        assert!(retry_delay(0) >= RETRY_BASE, "attempt 0 counts as the first");
+        assert!(
+            retry_delay(0) >= RETRY_BASE,
+            "attempt 0 counts as the first"
+        );
     }
 }

@@ -8,8 +8,8 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 use z29c_core::{Checkpoint, Deadlines, ExternalReference, Outcome};
 use z29c_proto::v1::{InvokeRequest, invoke_response};
-use z29c_store::leases::{ClaimedStep, CommitOutcome, Observed};
 use z29c_store::faults::{CrashPoint, crash_if_armed};
+use z29c_store::leases::{ClaimedStep, CommitOutcome, Observed};
 use z29c_store::{Store, StoreError};
 
 use z29c_bus::gateways::Gateways;

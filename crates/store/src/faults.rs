@@ -144,9 +144,9 @@ mod switches {
 }
 
 #[cfg(feature = "faults")]
-pub use switches::{arm, break_receipt_fencing, crash_if_armed, is_armed};
-#[cfg(feature = "faults")]
 pub(crate) use switches::receipts_unfenced;
+#[cfg(feature = "faults")]
+pub use switches::{arm, break_receipt_fencing, crash_if_armed, is_armed};
 
 #[cfg(not(feature = "faults"))]
 #[inline(always)]
