@@ -71,6 +71,7 @@ async fn main() -> Result<()> {
             if cells.is_empty() {
                 bail!("--only {only:?} matches no cell");
             }
+            matrix::require_fault_build()?;
             let switches = matrix::Switches {
                 break_receipt_fencing: broken,
             };

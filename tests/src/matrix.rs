@@ -551,7 +551,7 @@ async fn drive(
         Fault::Pause => {
             // the worker holds the answer for a moment before committing: the window in
             // which it is frozen, so it comes back stale with a result in hand
-            run.executor(&[("Z29C_FAULT_STALL_AFTER_RESPONSE_MS", "1000")])
+            run.executor(&[("Z29C_FAULT_STALL_AFTER_RESPONSE_MS", "2000")])
                 .await?;
             if opaque_target {
                 run.allowance += 2;
@@ -569,7 +569,7 @@ async fn drive(
                 .context("executor-1")?
                 .pause()?;
             run.executor(&[]).await?;
-            tokio::time::sleep(Duration::from_millis(4_000)).await;
+            tokio::time::sleep(Duration::from_millis(4_500)).await;
             run.cluster
                 .process("executor-1")
                 .context("executor-1")?
@@ -753,32 +753,37 @@ async fn drive(
             run.executor(&[]).await?;
             let mut p = policy();
             let mut deadline = None;
+            // margins of ~1 s either side: a loaded CI machine must not move an answer
+            // across the deadline
             let (before_ms, after_ms) = match d {
                 Deadline::Adapter => {
-                    p.lease_ms = 4_000;
+                    p.lease_ms = 6_000;
                     p.renew_every_ms = 1_000;
-                    p.adapter_timeout_ms = 1_000;
-                    (600, 1_400)
+                    p.attempt_deadline_ms = 12_000;
+                    p.adapter_timeout_ms = 2_000;
+                    (800, 2_800)
                 }
                 Deadline::Lease => {
-                    p.lease_ms = 2_000;
-                    p.renew_every_ms = 1_000;
-                    p.adapter_timeout_ms = 7_000;
-                    (1_000, 1_900)
-                }
-                Deadline::Attempt => {
                     p.lease_ms = 3_000;
                     p.renew_every_ms = 1_000;
-                    p.attempt_deadline_ms = 3_000;
-                    p.adapter_timeout_ms = 2_500;
-                    (1_800, 2_900)
+                    p.attempt_deadline_ms = 12_000;
+                    p.adapter_timeout_ms = 10_000;
+                    (1_000, 3_300)
                 }
-                Deadline::Workflow => {
+                Deadline::Attempt => {
                     p.lease_ms = 4_000;
                     p.renew_every_ms = 1_000;
-                    p.adapter_timeout_ms = 7_000;
-                    deadline = Some(2_500);
-                    (800, 3_000)
+                    p.attempt_deadline_ms = 4_000;
+                    p.adapter_timeout_ms = 3_500;
+                    (1_500, 4_300)
+                }
+                Deadline::Workflow => {
+                    p.lease_ms = 6_000;
+                    p.renew_every_ms = 1_000;
+                    p.attempt_deadline_ms = 12_000;
+                    p.adapter_timeout_ms = 10_000;
+                    deadline = Some(3_500);
+                    (1_000, 4_500)
                 }
             };
             let delay = if late { after_ms } else { before_ms };
@@ -800,7 +805,9 @@ async fn drive(
             run.cluster.set_faults("target", json!({})).await?;
             run.healthy(cap, 2).await?;
             run.cluster.wait_all_ended(&run.ids, long).await?;
-            let recovered = run.count("SELECT count(*) FROM recovery_decisions").await;
+            let recovered = run
+                .count("SELECT count(*) FROM recovery_decisions d JOIN workflows w ON w.id = d.workflow_id WHERE w.client_key = 'target'")
+                .await;
             run.expect(
                 (recovered > 0) == late,
                 format!(
@@ -1047,6 +1054,21 @@ fn via_proxy(url: &str, port: u16) -> Result<String> {
     u.set_port(Some(port))
         .map_err(|()| anyhow::anyhow!("cannot set a port on {url}"))?;
     Ok(u.to_string())
+}
+
+/// Fails unless the `z29c` binary beside the harness was built with its fault points (a
+/// build of `-p z29c-cli` alone has none, and every crash cell would wait in vain).
+pub fn require_fault_build() -> Result<()> {
+    let out = std::process::Command::new(crate::cluster::z29c_binary()?)
+        .args(["executor", "--dump-config"])
+        .output()?;
+    if !String::from_utf8_lossy(&out.stdout).contains("fault_break_receipt_fencing") {
+        bail!(
+            "this z29c binary has no fault points: build it with the harness, \
+             `cargo build -p z29c-cli -p z29c-scenarios`"
+        );
+    }
+    Ok(())
 }
 
 /// Runs `cells`, `parallel` at a time, reporting each as it ends.

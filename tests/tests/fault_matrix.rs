@@ -17,6 +17,7 @@ fn parallel() -> usize {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn every_cell_of_the_fault_matrix_holds_every_invariant() -> Result<()> {
+    matrix::require_fault_build()?;
     let cells = matrix::cells();
     let n = cells.len();
     let results = matrix::run_cells(cells, parallel(), Switches::default(), |i, n, r| {
@@ -44,6 +45,7 @@ async fn every_cell_of_the_fault_matrix_holds_every_invariant() -> Result<()> {
 /// same cell passes on the real build (above); on the broken one the checker must say B.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_checker_catches_a_build_without_receipt_fencing() -> Result<()> {
+    matrix::require_fault_build()?;
     let cell = Cell {
         fault: Fault::Pause,
         cap: Cap::One(AdapterCapability::Opaque),
