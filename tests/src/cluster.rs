@@ -496,7 +496,8 @@ impl Cluster {
 
 async fn wait_for_port(port: u16) -> Result<()> {
     let start = Instant::now();
-    while start.elapsed() < Duration::from_secs(20) {
+    // a service waits up to 30 s for PostgreSQL before it listens (Store::connect)
+    while start.elapsed() < Duration::from_secs(45) {
         if tokio::net::TcpStream::connect(("127.0.0.1", port))
             .await
             .is_ok()
@@ -505,7 +506,7 @@ async fn wait_for_port(port: u16) -> Result<()> {
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    bail!("nothing listened on 127.0.0.1:{port} within 20 s")
+    bail!("nothing listened on 127.0.0.1:{port} within 45 s")
 }
 
 /// A workflow of `steps` chained steps on `route`.

@@ -199,10 +199,13 @@ pub async fn soak(
     }
     for name in all_processes() {
         if let Some(p) = cluster.process(&name) {
+            let _ = p.resume();
             if p.exited() {
-                cluster.restart(&name, &[]).await?;
-            } else {
-                let _ = p.resume();
+                // a restart can lose a race with the same process's last heal; try again
+                if let Err(e) = cluster.restart(&name, &[]).await {
+                    progress(format!("restarting {name} again after: {e:#}"));
+                    cluster.restart(&name, &[]).await?;
+                }
             }
         }
     }

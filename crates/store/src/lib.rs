@@ -38,6 +38,22 @@ pub use error::{Result, StoreError};
 /// service starts migrate once.
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations");
 
+/// How long [`Store::connect`] keeps trying a server that is not there yet.
+pub const CONNECT_PATIENCE: Duration = Duration::from_secs(30);
+
+/// Errors worth another try: the server is unreachable, starting up or shutting down, or out
+/// of connection slots. Configuration errors (bad URL, credentials, database) are not.
+fn transient(e: &sqlx::Error) -> bool {
+    match e {
+        sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut => true,
+        sqlx::Error::Database(db) => matches!(
+            db.code().as_deref(),
+            Some("53300" | "57P01" | "57P02" | "57P03" | "08000" | "08001" | "08003" | "08006")
+        ),
+        _ => false,
+    }
+}
+
 /// A handle on z29c's database. Cheap to clone.
 #[derive(Debug, Clone)]
 pub struct Store {
@@ -46,12 +62,33 @@ pub struct Store {
 
 impl Store {
     /// Connects with a pool of at most `max_connections`.
+    ///
+    /// A server that is starting, restarting, briefly unreachable or out of connection slots
+    /// is retried with capped, jittered backoff for up to [`CONNECT_PATIENCE`], so services may
+    /// start in any order; a wrong URL or bad credentials fail at once.
     pub async fn connect(url: &str, max_connections: u32) -> Result<Self> {
-        let options: PgConnectOptions = url.parse()?;
-        let pool = PgPoolOptions::new()
-            .max_connections(max_connections)
-            .acquire_timeout(Duration::from_secs(10))
-            .connect_with(options.application_name("z29c"))
+        use backon::Retryable;
+        let options: PgConnectOptions = url.parse::<PgConnectOptions>()?.application_name("z29c");
+        let connect = || {
+            PgPoolOptions::new()
+                .max_connections(max_connections)
+                .acquire_timeout(Duration::from_secs(10))
+                .connect_with(options.clone())
+        };
+        let pool = connect
+            .retry(
+                backon::ExponentialBuilder::default()
+                    .with_min_delay(Duration::from_millis(100))
+                    .with_max_delay(Duration::from_secs(2))
+                    .with_jitter()
+                    .with_total_delay(Some(CONNECT_PATIENCE))
+                    .without_max_times(),
+            )
+            .sleep(tokio::time::sleep)
+            .when(transient)
+            .notify(|e, wait| {
+                tracing::warn!(error = %e, ?wait, "PostgreSQL not reachable yet; retrying");
+            })
             .await?;
         Ok(Self { pool })
     }

@@ -253,3 +253,22 @@ async fn permits_never_exceed_the_limit_under_concurrency(pool: PgPool) {
         Err(StoreError::NotFound { .. })
     ));
 }
+
+/// A configuration error is not retried: bad credentials fail at once, while an unreachable
+/// or starting server would be retried for `CONNECT_PATIENCE`.
+#[tokio::test]
+async fn bad_credentials_fail_at_once_instead_of_being_retried() {
+    let url = std::env::var("DATABASE_URL").expect("DATABASE_URL");
+    let mut bad: sqlx::postgres::PgConnectOptions = url.parse().unwrap();
+    bad = bad.username("z29c_no_such_user").password("wrong");
+    let start = std::time::Instant::now();
+    let r =
+        z29c_store::Store::connect(&sqlx::ConnectOptions::to_url_lossy(&bad).to_string(), 1).await;
+    assert!(r.is_err(), "a user that does not exist connected");
+    // well under CONNECT_PATIENCE (30 s): the refusal was final, not retried
+    assert!(
+        start.elapsed() < std::time::Duration::from_secs(20),
+        "a configuration error was retried for {:?}",
+        start.elapsed()
+    );
+}
