@@ -262,8 +262,7 @@ async fn bad_credentials_fail_at_once_instead_of_being_retried() {
     let mut bad: sqlx::postgres::PgConnectOptions = url.parse().unwrap();
     bad = bad.username("z29c_no_such_user").password("wrong");
     let start = std::time::Instant::now();
-    let r =
-        z29c_store::Store::connect(&sqlx::ConnectOptions::to_url_lossy(&bad).to_string(), 1).await;
+    let r = z29c_store::Store::connect(sqlx::ConnectOptions::to_url_lossy(&bad).as_ref(), 1).await;
     assert!(r.is_err(), "a user that does not exist connected");
     // well under CONNECT_PATIENCE (30 s): the refusal was final, not retried
     assert!(
