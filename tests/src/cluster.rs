@@ -124,6 +124,7 @@ pub struct Cluster {
     executor_stall_ms: u64,
     /// NATS this cluster talks to.
     pub nats_url: String,
+    env: Vec<(String, String)>,
 }
 
 /// Which processes a cluster runs.
@@ -141,6 +142,8 @@ pub struct Topology {
     pub nats_url: Option<String>,
     /// PostgreSQL server to create the test database on instead of `DATABASE_URL`'s.
     pub postgres_admin_url: Option<String>,
+    /// Environment every process of the cluster gets (an OTLP endpoint, say).
+    pub env: Vec<(String, String)>,
 }
 
 impl Default for Topology {
@@ -154,6 +157,7 @@ impl Default for Topology {
             executor_stall_ms: 0,
             nats_url: None,
             postgres_admin_url: None,
+            env: Vec::new(),
         }
     }
 }
@@ -181,6 +185,7 @@ impl Cluster {
             executor_stall_ms,
             nats_url: nats,
             postgres_admin_url,
+            env,
         } = t;
         let bin = z29c_binary()?;
         let db = match &postgres_admin_url {
@@ -209,6 +214,7 @@ impl Cluster {
             capability,
             executor_stall_ms,
             nats_url: nats.unwrap_or_else(nats_url),
+            env,
         };
         let dest = cluster.spawn(
             "destination",
@@ -249,6 +255,9 @@ impl Cluster {
             .stdout(Stdio::null())
             .stderr(log)
             .kill_on_drop(true);
+        for (k, v) in &self.env {
+            cmd.env(k, v);
+        }
         for (k, v) in env {
             cmd.env(k, v);
         }

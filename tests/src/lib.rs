@@ -11,6 +11,7 @@
 //! - [`history`]: the recorded history of a run and the invariant checker.
 //! - [`matrix`]: the fault matrix (fault × adapter capability → invariants held).
 //! - [`soak`]: the randomized soak with a reproducible fault schedule.
+//! - [`otlp`]: an in-process OTLP trace receiver, to check traces across services.
 
 use anyhow::{Context, Result};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
@@ -89,5 +90,6 @@ pub mod cluster;
 pub mod history;
 pub mod infra;
 pub mod matrix;
+pub mod otlp;
 pub mod proxy;
 pub mod soak;

@@ -45,6 +45,9 @@ enum Command {
         /// How long the load and faults last, e.g. `90s` or `10m`.
         #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
         duration: Duration,
+        /// Run on a PostgreSQL server of the soak's own (initdb), not DATABASE_URL's.
+        #[arg(long)]
+        private_postgres: bool,
     },
 }
 
@@ -89,10 +92,18 @@ async fn main() -> Result<()> {
                 std::process::exit(1);
             }
         }
-        Command::Soak { seed, duration } => {
+        Command::Soak {
+            seed,
+            duration,
+            private_postgres,
+        } => {
             let mut failed = false;
             for s in seed {
-                let report = soak::soak(s, duration, |l| say(&l)).await?;
+                let report = if private_postgres {
+                    soak::soak_private(s, duration, |l| say(&l)).await?
+                } else {
+                    soak::soak(s, duration, |l| say(&l)).await?
+                };
                 say(&report.summary());
                 for v in &report.violations {
                     say(&format!("  violation {v}"));

@@ -506,7 +506,7 @@ fn keep(cell: &Cell, cluster: &Cluster, history: &History) -> Result<std::path::
     let dir = std::env::var("Z29C_MATRIX_KEEP")
         .map(std::path::PathBuf::from)
         .unwrap_or_else(|_| std::env::temp_dir().join("z29c-fault-matrix"))
-        .join(name);
+        .join(format!("{name}-{}", cluster.prefix));
     std::fs::create_dir_all(&dir)?;
     history.save(&dir.join("history.json"))?;
     for entry in std::fs::read_dir(cluster.dir())? {
@@ -580,6 +580,13 @@ async fn drive(
                 Duration::from_secs(20),
             )
             .await?;
+            // its stall would make every later step stale too: the healthy work goes to
+            // executor-2
+            run.cluster
+                .process("executor-1")
+                .context("executor-1")?
+                .kill()
+                .await?;
             run.healthy(cap, 2).await?;
             run.cluster.wait_all_ended(&run.ids, long).await?;
         }
@@ -866,8 +873,10 @@ async fn drive(
                     .add_recovery_with(&[("Z29C_RECOVERY_LEASE_MS", "2000")])
                     .await?;
             }
+            // the request reached the destination, the answer died with the worker: recovery
+            // has something to ask about (and, for queryable, a status query that hangs)
             run.executor(&[
-                ("Z29C_FAULT_CRASH", "after_invocation_began"),
+                ("Z29C_FAULT_CRASH", "before_response_observed"),
                 ("Z29C_WORKERS", "1"),
                 ("Z29C_CLAIM_BATCH", "1"),
             ])

@@ -117,6 +117,28 @@ fn policy() -> pb::LeasePolicy {
 pub async fn soak(
     seed: u64,
     duration: Duration,
+    progress: impl FnMut(String),
+) -> Result<SoakReport> {
+    soak_on(seed, duration, None, progress).await
+}
+
+/// [`soak`] on a PostgreSQL server of its own (several soaks at once would exhaust the shared
+/// server's connection slots).
+pub async fn soak_private(
+    seed: u64,
+    duration: Duration,
+    progress: impl FnMut(String),
+) -> Result<SoakReport> {
+    let pg = crate::infra::PrivatePostgres::start().await?;
+    let report = soak_on(seed, duration, Some(pg.admin_url()), progress).await;
+    pg.stop().await;
+    report
+}
+
+async fn soak_on(
+    seed: u64,
+    duration: Duration,
+    postgres_admin_url: Option<String>,
     mut progress: impl FnMut(String),
 ) -> Result<SoakReport> {
     let plan = schedule(seed, duration);
@@ -125,6 +147,7 @@ pub async fn soak(
         executors: EXECUTORS,
         recoveries: RECOVERIES,
         permit_limit: 6,
+        postgres_admin_url,
         ..Topology::default()
     })
     .await?;

@@ -4,6 +4,7 @@ use std::time::Duration;
 
 use serde_json::Value;
 use tonic::{Request, Response, Status};
+use tracing::Instrument;
 use z29c_core::{AttemptId, RequestIdentity};
 use z29c_proto::v1::adapter_gateway_server::AdapterGateway;
 use z29c_proto::v1::{
@@ -122,6 +123,12 @@ impl AdapterGateway for Gateway {
         &self,
         request: Request<InvokeRequest>,
     ) -> Result<Response<InvokeResponse>, Status> {
+        let span = tracing::info_span!("gateway.invoke", adapter = %request.get_ref().adapter);
+        z29c_telemetry::trace::set_parent(
+            &span,
+            z29c_telemetry::trace::grpc_traceparent(&request).as_deref(),
+        );
+        async move {
         let timeout = call_timeout(&request);
         let req = request.into_inner();
         let adapter = self.adapter(&req.adapter)?;
@@ -226,25 +233,40 @@ impl AdapterGateway for Gateway {
             outcome: Some(answer),
             adapter_version: adapter.version.clone(),
         }))
+            }
+        .instrument(span)
+        .await
     }
 
     async fn query(
         &self,
         request: Request<QueryRequest>,
     ) -> Result<Response<QueryResponse>, Status> {
-        let timeout = call_timeout(&request);
-        let req = request.into_inner();
-        let adapter = self.adapter(&req.adapter)?;
-        if adapter.capability == z29c_core::AdapterCapability::Opaque {
-            return Err(Status::failed_precondition(format!(
-                "adapter {:?} is opaque: it cannot be queried",
-                adapter.name
-            )));
-        }
-        let identity = RequestIdentity::parse(req.request_identity)
-            .map_err(|e| Status::invalid_argument(e.to_string()))?;
-        let status =
-            match http::query(&self.client, &adapter.base_url, identity.as_str(), timeout).await {
+        let span = tracing::info_span!("gateway.query", adapter = %request.get_ref().adapter);
+        z29c_telemetry::trace::set_parent(
+            &span,
+            z29c_telemetry::trace::grpc_traceparent(&request).as_deref(),
+        );
+        async move {
+            let timeout = call_timeout(&request);
+            let req = request.into_inner();
+            let adapter = self.adapter(&req.adapter)?;
+            if adapter.capability == z29c_core::AdapterCapability::Opaque {
+                return Err(Status::failed_precondition(format!(
+                    "adapter {:?} is opaque: it cannot be queried",
+                    adapter.name
+                )));
+            }
+            let identity = RequestIdentity::parse(req.request_identity)
+                .map_err(|e| Status::invalid_argument(e.to_string()))?;
+            let status = match http::query(
+                &self.client,
+                &adapter.base_url,
+                identity.as_str(),
+                timeout,
+            )
+            .await
+            {
                 QueryOutcome::Found { reference, result } => {
                     query_response::Status::Found(pb::Succeeded {
                         external_reference: reference,
@@ -256,9 +278,12 @@ impl AdapterGateway for Gateway {
                     query_response::Status::Unknown(pb::Unknown { reason })
                 }
             };
-        Ok(Response::new(QueryResponse {
-            status: Some(status),
-        }))
+            Ok(Response::new(QueryResponse {
+                status: Some(status),
+            }))
+        }
+        .instrument(span)
+        .await
     }
 
     async fn describe(

@@ -20,6 +20,8 @@ pub use z29c_proto::v1 as wire;
 
 /// The header JetStream de-duplicates on.
 pub const MSG_ID_HEADER: &str = "Nats-Msg-Id";
+/// W3C trace context of the publishing span.
+pub const TRACEPARENT_HEADER: &str = "traceparent";
 
 pub type Result<T, E = BusError> = std::result::Result<T, E>;
 
@@ -184,10 +186,23 @@ impl Bus {
     /// Publishes an envelope on its topic with `Nats-Msg-Id = msg_id` and waits for the
     /// stream's acknowledgement.
     pub async fn publish(&self, envelope: &Envelope) -> Result<Published> {
+        self.publish_traced(envelope, None).await
+    }
+
+    /// [`Bus::publish`], with a W3C `traceparent` header when one is given, so the consumer's
+    /// span continues the publisher's trace.
+    pub async fn publish_traced(
+        &self,
+        envelope: &Envelope,
+        traceparent: Option<&str>,
+    ) -> Result<Published> {
         let topic = Topic::of(envelope)
             .ok_or_else(|| BusError::Malformed("envelope without body".into()))?;
         let mut headers = HeaderMap::new();
         headers.insert(MSG_ID_HEADER, envelope.msg_id.as_str());
+        if let Some(tp) = traceparent {
+            headers.insert(TRACEPARENT_HEADER, tp);
+        }
         let ack = self
             .js
             .publish_with_headers(

@@ -102,8 +102,18 @@ fn config<T: Serialize + DeserializeOwned + Default>(
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    z29c_runtime::init_tracing();
     let cli = Cli::parse();
+    // one service name per process, for its spans (OTEL_EXPORTER_OTLP_ENDPOINT exports them)
+    let service = match &cli.command {
+        Command::Dev(_) => "z29c-dev",
+        Command::Scheduler(_) => "z29c-scheduler",
+        Command::Executor(_) => "z29c-executor",
+        Command::Recovery(_) => "z29c-recovery",
+        Command::Gateway(_) => "z29c-adapter-gateway",
+        Command::Destination { .. } => "z29c-destination",
+        _ => "z29c-cli",
+    };
+    let _telemetry = z29c_telemetry::trace::init(service);
     match cli.command {
         Command::Dev(args) => dev::run(args).await,
         Command::Submit {

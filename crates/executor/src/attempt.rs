@@ -11,6 +11,7 @@ use z29c_proto::v1::{InvokeRequest, invoke_response};
 use z29c_store::faults::{CrashPoint, crash_if_armed};
 use z29c_store::leases::{ClaimedStep, CommitOutcome, Observed};
 use z29c_store::{Store, StoreError};
+use z29c_telemetry::metrics::counter;
 
 use z29c_bus::gateways::Gateways;
 
@@ -34,10 +35,17 @@ pub async fn run(ctx: Context, step: ClaimedStep) {
         workflow = %step.workflow,
         lease_version = %step.lease.version,
         attempt = step.attempt_number,
+        trace_id = tracing::field::Empty,
     );
+    // the attempt joins the workflow's trace, begun at submission
+    z29c_telemetry::trace::set_parent(&span, step.trace_context.as_deref());
+    if let Some(id) = z29c_telemetry::trace::trace_id_of(&span) {
+        span.record("trace_id", id);
+    }
     if let Err(e) = attempt(&ctx, &step).instrument(span).await {
         match e {
             StoreError::Fenced(reason) => {
+                counter!(z29c_telemetry::ATTEMPT_FENCING_REJECTIONS).increment(1);
                 tracing::info!(step = %step.lease.step, %reason, "attempt stopped: lease no longer current");
             }
             e => tracing::warn!(step = %step.lease.step, error = %e, "attempt stopped"),
@@ -90,6 +98,7 @@ async fn attempt(ctx: &Context, step: &ClaimedStep) -> Result<(), StoreError> {
             loop {
                 tokio::time::sleep(every).await;
                 if let Err(e) = store.renew(&lease, version).await {
+                    counter!(z29c_telemetry::LEASE_RENEWAL_FAILURES).increment(1);
                     tracing::info!(step = %lease.step, error = %e, "renewal refused; finishing the call, then stopping");
                     return;
                 }
@@ -110,7 +119,13 @@ async fn attempt(ctx: &Context, step: &ClaimedStep) -> Result<(), StoreError> {
     });
     request.set_timeout(budget);
     let mut client = gateway.client;
-    let answer = client.invoke(request).await;
+    let call = tracing::info_span!("gateway.invoke", gateway = %gateway.gateway, budget_ms = budget.as_millis() as u64);
+    let answer = async {
+        z29c_telemetry::trace::inject_grpc(&mut request);
+        client.invoke(request).await
+    }
+    .instrument(call)
+    .await;
     renewal.abort();
 
     #[cfg(feature = "faults")]
@@ -127,6 +142,7 @@ async fn attempt(ctx: &Context, step: &ClaimedStep) -> Result<(), StoreError> {
         Ok(r) => r.into_inner(),
         Err(status) => {
             // the gateway may have called out before failing: unknown, recovery decides
+            counter!(z29c_telemetry::STEP_UNKNOWN_OUTCOMES).increment(1);
             tracing::warn!(gateway = %gateway.gateway, %status, "gateway call failed; handing to recovery");
             return store.surrender(lease, &format!("gateway: {status}")).await;
         }
@@ -160,11 +176,13 @@ async fn attempt(ctx: &Context, step: &ClaimedStep) -> Result<(), StoreError> {
                 .await?;
         }
         Some(invoke_response::Outcome::Unknown(u)) => {
+            counter!(z29c_telemetry::STEP_UNKNOWN_OUTCOMES).increment(1);
             store
                 .surrender(lease, &format!("outcome unknown: {}", u.reason))
                 .await?;
         }
         None => {
+            counter!(z29c_telemetry::STEP_UNKNOWN_OUTCOMES).increment(1);
             store.surrender(lease, "gateway answered nothing").await?;
         }
     }
@@ -174,6 +192,12 @@ async fn attempt(ctx: &Context, step: &ClaimedStep) -> Result<(), StoreError> {
 fn report(outcome: CommitOutcome) {
     match outcome {
         CommitOutcome::Committed(r) => {
+            counter!(
+                z29c_telemetry::STEP_RECEIPTS,
+                "verification" => "direct",
+                "outcome" => r.outcome.to_string()
+            )
+            .increment(1);
             crash_if_armed(CrashPoint::after(Checkpoint::ReceiptCommitted));
             tracing::info!(step = %r.step, reference = ?r.external_reference, outcome = %r.outcome, "receipt committed");
         }
@@ -181,6 +205,9 @@ fn report(outcome: CommitOutcome) {
             observation,
             reason,
         } => {
+            // the commit was refused by the fence; what was seen is kept, never lost
+            counter!(z29c_telemetry::ATTEMPT_FENCING_REJECTIONS).increment(1);
+            counter!(z29c_telemetry::ATTEMPT_LATE_OBSERVATIONS).increment(1);
             tracing::warn!(%observation, %reason, "lease lost before the answer: kept as late evidence");
         }
     }

@@ -19,6 +19,8 @@ pub struct ExecutorConfig {
     pub poll_ms: u64,
     /// Time given to attempts in flight after a shutdown signal.
     pub shutdown_grace_ms: u64,
+    /// Where `/metrics` is served (Prometheus), if anywhere.
+    pub metrics_listen: Option<std::net::SocketAddr>,
     /// Fault injection (only with the `faults` feature): stall this long after the gateway
     /// answered and before committing, as a paused process would.
     #[cfg(feature = "faults")]
@@ -46,6 +48,7 @@ impl Default for ExecutorConfig {
             claim_batch: 8,
             poll_ms: 500,
             shutdown_grace_ms: 10_000,
+            metrics_listen: None,
             #[cfg(feature = "faults")]
             fault_stall_after_response_ms: 0,
             #[cfg(feature = "faults")]

@@ -23,6 +23,7 @@ use futures::StreamExt;
 use tokio::sync::{Notify, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
+use tracing::Instrument;
 use z29c_bus::{Bus, Topic};
 use z29c_core::OwnerId;
 use z29c_store::Store;
@@ -32,6 +33,16 @@ pub use config::ExecutorConfig;
 /// Runs the executor until `shutdown` is cancelled, then drains within the grace period.
 pub async fn run(config: ExecutorConfig, shutdown: CancellationToken) -> anyhow::Result<()> {
     let owner = OwnerId::parse(config.id.clone()).context("executor id")?;
+    if let Some(addr) = config.metrics_listen {
+        z29c_telemetry::serve_prometheus(addr).context("serve /metrics")?;
+        z29c_telemetry::zero_counters(&[
+            z29c_telemetry::LEASE_ACQUISITIONS,
+            z29c_telemetry::LEASE_RENEWAL_FAILURES,
+            z29c_telemetry::ATTEMPT_FENCING_REJECTIONS,
+            z29c_telemetry::ATTEMPT_LATE_OBSERVATIONS,
+            z29c_telemetry::STEP_UNKNOWN_OUTCOMES,
+        ]);
+    }
     #[cfg(feature = "faults")]
     {
         if let Some(point) = config.fault_crash {
@@ -70,6 +81,8 @@ pub async fn run(config: ExecutorConfig, shutdown: CancellationToken) -> anyhow:
             {
                 Ok(claimed) => {
                     let n = claimed.len();
+                    z29c_telemetry::metrics::counter!(z29c_telemetry::LEASE_ACQUISITIONS)
+                        .increment(n as u64);
                     for step in claimed {
                         let slot = slots.clone().acquire_owned().await?;
                         let ctx = attempt::Context {
@@ -144,7 +157,15 @@ async fn listen_for_hints(bus: Bus, wake: Arc<Notify>, shutdown: CancellationTok
                 _ = shutdown.cancelled() => return,
                 next = messages.next() => match next {
                     Some(Ok(msg)) => {
-                        let _ = msg.ack().await;
+                        // a hint continues the publisher's trace; it carries no truth
+                        let span = tracing::info_span!("step.ready.hint");
+                        let traceparent = msg
+                            .headers
+                            .as_ref()
+                            .and_then(|h| h.get(z29c_bus::TRACEPARENT_HEADER))
+                            .map(|v| v.as_str().to_owned());
+                        z29c_telemetry::trace::set_parent(&span, traceparent.as_deref());
+                        let _ = msg.ack().instrument(span).await;
                         wake.notify_one();
                     }
                     Some(Err(e)) => {

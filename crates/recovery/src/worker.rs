@@ -5,6 +5,7 @@
 use std::time::Duration;
 
 use serde_json::{Value, json};
+use tracing::Instrument;
 use z29c_bus::Bus;
 use z29c_bus::gateways::Gateways;
 use z29c_core::{
@@ -41,7 +42,20 @@ pub async fn recover(ctx: &Context, expired: &ExpiredLease) -> Result<(), StoreE
         }
         Err(e) => return Err(e),
     };
+    // the decision joins the workflow's trace, begun at submission
+    let span = tracing::info_span!("recovery.decide", step = %expired.step, workflow = %rec.snapshot.workflow);
+    z29c_telemetry::trace::set_parent(&span, rec.snapshot.trace_context.as_deref());
+    decide_on(ctx, expired, rec).instrument(span).await
+}
+
+async fn decide_on(
+    ctx: &Context,
+    expired: &ExpiredLease,
+    rec: z29c_store::recovery::RecoveryLease,
+) -> Result<(), StoreError> {
     z29c_telemetry::metrics::counter!(z29c_telemetry::LEASE_RECOVERIES).increment(1);
+    z29c_telemetry::metrics::histogram!(z29c_telemetry::LEASE_EXPIRY_AGE)
+        .record(expired.expired_for.num_milliseconds().max(0) as f64 / 1000.0);
     let gateways = Gateways::new(ctx.bus.clone());
     let chosen = gateways.for_adapter(&rec.snapshot.adapter).await;
     let capability = match &chosen {
@@ -75,6 +89,7 @@ pub async fn recover(ctx: &Context, expired: &ExpiredLease) -> Result<(), StoreE
                         request_identity: snap.request_identity.clone().unwrap_or_default(),
                     });
                     req.set_timeout(QUERY_TIMEOUT);
+                    z29c_telemetry::trace::inject_grpc(&mut req);
                     c.client.query(req).await.map(|r| r.into_inner().status)
                 }
                 None => Err(tonic::Status::unavailable("no gateway serves the adapter")),

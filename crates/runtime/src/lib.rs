@@ -1,6 +1,6 @@
 //! Plumbing every z29c service shares, so each `main` stays short: configuration layering
 //! (defaults → file → `Z29C_…` environment, `__` for nesting), signal handling (first signal
-//! drains, second exits at once), tracing set-up, and the one mapping from store errors to
+//! drains, second exits at once), tracing set-up (`z29c_telemetry::trace`), and the one mapping from store errors to
 //! `tonic::Status`.
 
 use std::path::Path;
@@ -59,11 +59,14 @@ where
         }
         return Ok(());
     }
-    init_tracing();
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?
-        .block_on(async move { run(config, shutdown_token()).await })
+        .block_on(async move {
+            // inside the runtime: the trace exporter runs on it; dropping the guard flushes
+            let _telemetry = z29c_telemetry::trace::init(name);
+            run(config, shutdown_token()).await
+        })
 }
 
 /// A token cancelled on the first SIGINT or SIGTERM; a second signal exits the process at once.
@@ -98,21 +101,6 @@ async fn wait_for_signal() {
     {
         let _ = tokio::signal::ctrl_c().await;
     }
-}
-
-/// Logs to stderr, filtered by `RUST_LOG` (default `info`); JSON when `Z29C_LOG_JSON=1`.
-pub fn init_tracing() {
-    use tracing_subscriber::EnvFilter;
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
-    let json = std::env::var("Z29C_LOG_JSON").is_ok_and(|v| v == "1");
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    let _ = if json {
-        builder.json().try_init()
-    } else {
-        builder.try_init()
-    };
 }
 
 /// The one mapping from store errors to gRPC statuses.

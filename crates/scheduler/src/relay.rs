@@ -3,6 +3,7 @@
 use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 use z29c_bus::wire::{self, envelope::Body};
 use z29c_bus::{Bus, Topic};
 use z29c_core::OwnerId;
@@ -35,7 +36,15 @@ pub async fn relay(store: Store, bus: Bus, id: String, shutdown: CancellationTok
                 sent.push(msg.id);
                 continue;
             };
-            match bus.publish(&envelope).await {
+            // one span per message, in the workflow's trace; the consumer continues it
+            let span = tracing::info_span!("outbox.publish", kind = %msg.kind, workflow = %msg.workflow_id);
+            z29c_telemetry::trace::set_parent(&span, msg.trace_context.as_deref());
+            let traceparent = z29c_telemetry::trace::traceparent_of(&span);
+            match bus
+                .publish_traced(&envelope, traceparent.as_deref())
+                .instrument(span)
+                .await
+            {
                 Ok(_) => sent.push(msg.id),
                 Err(e) => {
                     tracing::warn!(error = %e, "publish failed; the claim will expire and be retried");

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
+use tracing::Instrument;
 use z29c_bus::Bus;
 use z29c_core::{ClientKey, LeasePolicy, ProductState, StepName, WorkflowId};
 use z29c_proto::v1::workflow_service_server::WorkflowService;
@@ -119,6 +120,7 @@ pub fn new_workflow(req: pb::SubmitRequest) -> Result<NewWorkflow, Status> {
         name: req.name,
         deadline,
         steps,
+        trace_context: None,
     })
 }
 
@@ -203,17 +205,13 @@ impl Workflows {
         }
         Ok(workflow_to_wire(&w, steps))
     }
-}
 
-type WatchStream = Pin<Box<dyn Stream<Item = Result<pb::WorkflowEvent, Status>> + Send>>;
-
-#[tonic::async_trait]
-impl WorkflowService for Workflows {
-    async fn submit(
+    async fn submit_traced(
         &self,
         request: Request<pb::SubmitRequest>,
     ) -> Result<Response<pb::SubmitResponse>, Status> {
-        let wf = new_workflow(request.into_inner())?;
+        let mut wf = new_workflow(request.into_inner())?;
+        wf.trace_context = z29c_telemetry::trace::current_traceparent();
         // unknown adapters are refused when the registry can say what is served
         if let Ok(gateways) = self.bus.gateways().await
             && !gateways.is_empty()
@@ -235,11 +233,30 @@ impl WorkflowService for Workflows {
             .submit_workflow(&wf, &self.limits)
             .await
             .map_err(status_from_store)?;
+        tracing::Span::current().record("workflow", tracing::field::display(&submitted.workflow));
         tracing::info!(workflow = %submitted.workflow, created = submitted.created, steps = wf.steps.len(), "workflow submitted");
         Ok(Response::new(pb::SubmitResponse {
             workflow: Some(self.detail(submitted.workflow, false).await?),
             created: submitted.created,
         }))
+    }
+}
+
+type WatchStream = Pin<Box<dyn Stream<Item = Result<pb::WorkflowEvent, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl WorkflowService for Workflows {
+    async fn submit(
+        &self,
+        request: Request<pb::SubmitRequest>,
+    ) -> Result<Response<pb::SubmitResponse>, Status> {
+        // the submission is the root of the workflow's trace (or joins the caller's)
+        let span = tracing::info_span!("workflow.submit", workflow = tracing::field::Empty);
+        z29c_telemetry::trace::set_parent(
+            &span,
+            z29c_telemetry::trace::grpc_traceparent(&request).as_deref(),
+        );
+        self.submit_traced(request).instrument(span).await
     }
 
     async fn get(

@@ -47,6 +47,8 @@ pub struct ClaimedStep {
     pub workflow_deadline: Option<DateTime<Utc>>,
     /// PostgreSQL's `now()` when the claim was made.
     pub db_now: DateTime<Utc>,
+    /// The workflow's W3C `traceparent`: the attempt's spans join the submission's trace.
+    pub trace_context: Option<String>,
 }
 
 #[derive(sqlx::FromRow)]
@@ -76,6 +78,7 @@ struct ClaimRow {
     attempt_deadline: DateTime<Utc>,
     workflow_deadline: Option<DateTime<Utc>>,
     db_now: DateTime<Utc>,
+    trace_context: Option<String>,
 }
 
 fn ms(v: i32) -> Duration {
@@ -126,6 +129,7 @@ impl TryFrom<ClaimRow> for ClaimedStep {
             attempt_deadline: r.attempt_deadline,
             workflow_deadline: r.workflow_deadline,
             db_now: r.db_now,
+            trace_context: r.trace_context,
         })
     }
 }
@@ -206,7 +210,7 @@ impl Store {
                     l.max_attempts, l.request_identity, l.lease_owner, l.lease_version,
                     l.current_attempt_id, l.attempts_made, l.checkpoint_version, l.leased_at,
                     l.expires_at, l.attempt_deadline, w.deadline AS workflow_deadline,
-                    now() AS db_now
+                    now() AS db_now, w.trace_context
              FROM leased l JOIN workflows w ON w.id = l.workflow_id",
         )
         .bind(owner.as_str())

@@ -44,6 +44,8 @@ pub struct OutboxMessage {
     pub step_id: Option<Uuid>,
     pub payload: Value,
     pub created_at: DateTime<Utc>,
+    /// The workflow's W3C `traceparent`, for the message's headers.
+    pub trace_context: Option<String>,
 }
 
 pub(crate) async fn enqueue(
@@ -54,8 +56,9 @@ pub(crate) async fn enqueue(
     payload: Value,
 ) -> Result<()> {
     sqlx::query(
-        "INSERT INTO outbox (msg_id, kind, workflow_id, step_id, payload)
-         VALUES ($1 || '-' || gen_random_uuid()::text, $1, $2, $3, $4)",
+        "INSERT INTO outbox (msg_id, kind, workflow_id, step_id, payload, trace_context)
+         VALUES ($1 || '-' || gen_random_uuid()::text, $1, $2, $3, $4,
+                 (SELECT trace_context FROM workflows WHERE id = $2))",
     )
     .bind(kind.as_str())
     .bind(workflow)
@@ -85,7 +88,8 @@ impl Store {
              UPDATE outbox o
              SET claimed_by = $1, claimed_until = now() + $3::bigint * interval '1 millisecond'
              FROM picked WHERE o.id = picked.id
-             RETURNING o.id, o.msg_id, o.kind, o.workflow_id, o.step_id, o.payload, o.created_at",
+             RETURNING o.id, o.msg_id, o.kind, o.workflow_id, o.step_id, o.payload, o.created_at,
+                       o.trace_context",
         )
         .bind(relay.as_str())
         .bind(limit)

@@ -68,6 +68,8 @@ pub struct RecoverySnapshot {
     /// Attempts that counted against the budget (released ones do not).
     pub attempts_used: i64,
     pub max_attempts: i32,
+    /// The workflow's W3C `traceparent`: recovery's spans join the submission's trace.
+    pub trace_context: Option<String>,
 }
 
 impl RecoverySnapshot {
@@ -152,6 +154,7 @@ struct TakenRow {
     workflow_state: String,
     prior_owner: Option<String>,
     prior_version: i64,
+    trace_context: Option<String>,
 }
 
 impl Store {
@@ -210,7 +213,9 @@ impl Store {
                  s.max_attempts, prior.lease_owner AS prior_owner,
                  prior.lease_version AS prior_version,
                  (SELECT w.state::text FROM workflows w WHERE w.id = s.workflow_id)
-                     AS workflow_state",
+                     AS workflow_state,
+                 (SELECT w.trace_context FROM workflows w WHERE w.id = s.workflow_id)
+                     AS trace_context",
         )
         .bind(step.as_uuid())
         .bind(expected.get())
@@ -317,6 +322,7 @@ impl Store {
                 late_observations,
                 attempts_used,
                 max_attempts: row.max_attempts,
+                trace_context: row.trace_context,
             },
         })
     }

@@ -35,6 +35,9 @@ pub struct NewWorkflow {
     pub name: String,
     pub deadline: Option<DateTime<Utc>>,
     pub steps: Vec<NewStep>,
+    /// W3C `traceparent` of the submitting span; not part of the submission's digest.
+    #[serde(skip)]
+    pub trace_context: Option<String>,
 }
 
 /// Limits on what one submission may contain.
@@ -289,8 +292,8 @@ impl Store {
         let id = WorkflowId::new();
         let mut tx = self.pool.begin().await?;
         let inserted: Option<Uuid> = sqlx::query_scalar(
-            "INSERT INTO workflows (id, client_key, submission_digest, name, deadline)
-             VALUES ($1, $2, $3, $4, $5)
+            "INSERT INTO workflows (id, client_key, submission_digest, name, deadline, trace_context)
+             VALUES ($1, $2, $3, $4, $5, $6)
              ON CONFLICT (client_key) DO NOTHING
              RETURNING id",
         )
@@ -299,6 +302,7 @@ impl Store {
         .bind(digest.as_str())
         .bind(&wf.name)
         .bind(wf.deadline)
+        .bind(wf.trace_context.as_deref().filter(|t| t.len() <= 256))
         .fetch_optional(&mut *tx)
         .await?;
         if inserted.is_none() {

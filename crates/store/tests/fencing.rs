@@ -444,7 +444,27 @@ async fn request_identity_is_persisted_before_invocation_and_stable_across_attem
         )
         .await
         .unwrap();
-    let again = store.claim(&owner("worker-b"), 1).await.unwrap().remove(0);
+    // the retry waits its backoff (capped, jittered) before anyone may claim it
+    assert!(store.claim(&owner("worker-b"), 1).await.unwrap().is_empty());
+    let wait: f64 = sqlx::query_scalar(
+        "SELECT extract(epoch FROM next_eligible_at - now())::float8 FROM steps WHERE id = $1",
+    )
+    .bind(c.lease.step.as_uuid())
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    let base = z29c_core::policy::RETRY_BASE.as_secs_f64();
+    assert!(
+        wait > base * 0.5 && wait <= 2.0 * base,
+        "first retry backoff {wait} s, base {base} s"
+    );
+    let again = loop {
+        let mut got = store.claim(&owner("worker-b"), 1).await.unwrap();
+        if let Some(s) = got.pop() {
+            break s;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
     assert_eq!(again.request_identity, c.request_identity);
     assert_eq!(again.attempt_number, 2);
     assert!(again.lease.version > rec.lease.version);

@@ -29,6 +29,7 @@ pub fn step(name: &str, deps: &[&str]) -> NewStep {
 
 pub fn workflow(key: &str, steps: Vec<NewStep>) -> NewWorkflow {
     NewWorkflow {
+        trace_context: None,
         client_key: ClientKey::parse(key).unwrap(),
         name: format!("test {key}"),
         deadline: None,

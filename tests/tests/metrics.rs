@@ -1,0 +1,147 @@
+//! `/metrics` after fault scenarios: each level of DESIGN.md §8 counts what happened, and
+//! only that — worker churn is not a result, a stale result is evidence, and a lease expiry
+//! before anything was sent is no unknown outcome.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{Result, bail};
+use z29c_proto::v1::{self as pb};
+use z29c_scenarios::cluster::{Cluster, Topology, chain};
+
+fn free_port() -> Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+fn short(key: &str, route: &str) -> pb::SubmitRequest {
+    let mut req = chain(key, route, 1);
+    req.steps[0].policy = Some(pb::LeasePolicy {
+        lease_ms: 1_500,
+        renew_every_ms: 500,
+        attempt_deadline_ms: 10_000,
+        final_grace_ms: 500,
+        adapter_timeout_ms: 800,
+        ..Default::default()
+    });
+    req
+}
+
+/// Scrapes `url` until every line in `want` is on it.
+async fn scrape_until(url: &str, want: &[&str]) -> Result<String> {
+    let start = Instant::now();
+    loop {
+        let text = match reqwest::get(url).await {
+            Ok(r) => r.text().await.unwrap_or_default(),
+            Err(_) => String::new(),
+        };
+        if want.iter().all(|w| text.lines().any(|l| l == *w)) {
+            return Ok(text);
+        }
+        if start.elapsed() > Duration::from_secs(30) {
+            let missing: Vec<_> = want
+                .iter()
+                .filter(|w| !text.lines().any(|l| l == **w))
+                .collect();
+            bail!("{url} lacks {missing:?}:\n{text}");
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stale_worker_shows_one_fencing_rejection_and_one_late_observation() -> Result<()> {
+    let mut cluster = Cluster::start_with(Topology {
+        executors: 0,
+        recoveries: 1,
+        capability: "queryable",
+        executor_stall_ms: 4_000,
+        ..Topology::default()
+    })
+    .await?;
+    let port = free_port()?;
+    cluster
+        .add_executor_with(&[("Z29C_METRICS_LISTEN", &format!("127.0.0.1:{port}"))])
+        .await?;
+    cluster.client().await?.submit(short("stale", "m")).await?;
+    let executor = format!("http://127.0.0.1:{port}/metrics");
+    let text = scrape_until(
+        &executor,
+        &[
+            "z29c_attempt_fencing_rejections_total 1",
+            "z29c_attempt_late_observations_total 1",
+            "z29c_lease_acquisitions_total 1",
+        ],
+    )
+    .await?;
+    assert!(
+        text.contains("z29c_step_unknown_outcomes_total 0"),
+        "the worker knew its outcome; it was only late:\n{text}"
+    );
+    scrape_until(
+        &cluster.recovery_metrics_url,
+        &[
+            "z29c_lease_recoveries_total 1",
+            "z29c_step_recovery_decisions_total{category=\"invoked_queryable\",decision=\"status_query\",capability=\"queryable\"} 1",
+        ],
+    )
+    .await?;
+    cluster.stop().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pure_retry_is_a_lease_expiry_without_an_unknown_outcome() -> Result<()> {
+    let mut cluster = Cluster::start_with(Topology {
+        executors: 0,
+        recoveries: 1,
+        capability: "opaque",
+        ..Topology::default()
+    })
+    .await?;
+    let port = free_port()?;
+    let listen = format!("127.0.0.1:{port}");
+    // the first worker dies before it persisted a request identity: nothing was sent
+    cluster
+        .add_executor_with(&[
+            ("Z29C_FAULT_CRASH", "after_attempt_created"),
+            ("Z29C_METRICS_LISTEN", &listen),
+        ])
+        .await?;
+    let wf = cluster
+        .client()
+        .await?
+        .submit(short("retry", "m"))
+        .await?
+        .into_inner()
+        .workflow
+        .expect("workflow");
+    let start = Instant::now();
+    while !cluster.process("executor-1").expect("executor-1").exited() {
+        if start.elapsed() > Duration::from_secs(20) {
+            bail!("the executor did not crash");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    cluster.restart("executor-1", &["Z29C_FAULT_CRASH"]).await?;
+    cluster
+        .wait_all_ended(std::slice::from_ref(&wf.id), Duration::from_secs(60))
+        .await?;
+    scrape_until(
+        &cluster.recovery_metrics_url,
+        &[
+            "z29c_lease_recoveries_total 1",
+            "z29c_step_recovery_decisions_total{category=\"no_request_identity\",decision=\"make_ready\",capability=\"opaque\"} 1",
+        ],
+    )
+    .await?;
+    scrape_until(
+        &format!("http://{listen}/metrics"),
+        &[
+            "z29c_step_unknown_outcomes_total 0",
+            "z29c_attempt_fencing_rejections_total 0",
+            "z29c_step_receipts_total{verification=\"direct\",outcome=\"succeeded\"} 1",
+        ],
+    )
+    .await?;
+    cluster.stop().await
+}

@@ -1,0 +1,148 @@
+//! One workflow run is one trace across scheduler, executor, gateway and recovery: spans are
+//! exported over OTLP by the real service processes to a receiver in this test, and their
+//! parent links cross the NATS hop (outbox relay → executor hint), the gRPC hops (executor →
+//! gateway, recovery → gateway) and the PostgreSQL hop (submission → attempt, → recovery).
+
+use std::time::{Duration, Instant};
+
+use anyhow::{Result, bail};
+use z29c_proto::v1::{self as pb};
+use z29c_scenarios::cluster::{Cluster, Topology, chain};
+use z29c_scenarios::otlp::{CollectedSpan, Collector};
+
+const SCHEDULER: &str = "z29c-scheduler";
+const EXECUTOR: &str = "z29c-executor";
+const GATEWAY: &str = "z29c-adapter-gateway";
+const RECOVERY: &str = "z29c-recovery";
+
+fn find<'a>(spans: &'a [CollectedSpan], service: &str, name: &str) -> Vec<&'a CollectedSpan> {
+    spans
+        .iter()
+        .filter(|s| s.service == service && s.name == name)
+        .collect()
+}
+
+/// Whether some span `child` (service, name) has a parent among spans `parent` (service, name).
+fn linked(spans: &[CollectedSpan], child: (&str, &str), parent: (&str, &str)) -> bool {
+    let parents: Vec<&str> = find(spans, parent.0, parent.1)
+        .iter()
+        .map(|s| s.span_id.as_str())
+        .collect();
+    find(spans, child.0, child.1)
+        .iter()
+        .any(|c| parents.contains(&c.parent_span_id.as_str()))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_workflow_is_one_trace_across_all_services() -> Result<()> {
+    let (collector, endpoint) = Collector::start().await?;
+    let mut cluster = Cluster::start_with(Topology {
+        executors: 0,
+        recoveries: 1,
+        capability: "queryable",
+        env: vec![
+            ("OTEL_EXPORTER_OTLP_ENDPOINT".into(), endpoint),
+            ("OTEL_BSP_SCHEDULE_DELAY".into(), "100".into()),
+        ],
+        ..Topology::default()
+    })
+    .await?;
+    // the first step's worker dies after invocation began: recovery asks the gateway; the
+    // second step runs normally on the restarted executor
+    cluster
+        .add_executor_with(&[
+            ("Z29C_FAULT_CRASH", "after_invocation_began"),
+            ("Z29C_WORKERS", "1"),
+        ])
+        .await?;
+    let mut req = chain("traced", "traced", 2);
+    for s in &mut req.steps {
+        s.policy = Some(pb::LeasePolicy {
+            lease_ms: 1_500,
+            renew_every_ms: 500,
+            attempt_deadline_ms: 8_000,
+            final_grace_ms: 500,
+            adapter_timeout_ms: 1_000,
+            max_attempts: 3,
+            ..Default::default()
+        });
+    }
+    let wf = cluster
+        .client()
+        .await?
+        .submit(req)
+        .await?
+        .into_inner()
+        .workflow
+        .expect("workflow");
+    let start = Instant::now();
+    while !cluster.process("executor-1").expect("executor-1").exited() {
+        if start.elapsed() > Duration::from_secs(20) {
+            bail!("the executor did not crash");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    cluster.restart("executor-1", &["Z29C_FAULT_CRASH"]).await?;
+    cluster
+        .wait_all_ended(std::slice::from_ref(&wf.id), Duration::from_secs(60))
+        .await?;
+
+    // spans arrive in batches; wait until every hop has been seen
+    let hops = [
+        ((EXECUTOR, "attempt"), (SCHEDULER, "workflow.submit")),
+        (
+            (SCHEDULER, "outbox.publish"),
+            (SCHEDULER, "workflow.submit"),
+        ),
+        ((EXECUTOR, "step.ready.hint"), (SCHEDULER, "outbox.publish")),
+        ((GATEWAY, "gateway.invoke"), (EXECUTOR, "gateway.invoke")),
+        (
+            (RECOVERY, "recovery.decide"),
+            (SCHEDULER, "workflow.submit"),
+        ),
+        ((GATEWAY, "gateway.query"), (RECOVERY, "recovery.decide")),
+    ];
+    let start = Instant::now();
+    let spans = loop {
+        let all = collector.spans();
+        let submit = find(&all, SCHEDULER, "workflow.submit")
+            .into_iter()
+            .find(|s| s.attributes.get("workflow") == Some(&wf.id))
+            .map(|s| s.trace_id.clone());
+        let trace: Vec<CollectedSpan> = match &submit {
+            Some(t) => all.into_iter().filter(|s| &s.trace_id == t).collect(),
+            None => Vec::new(),
+        };
+        if hops.iter().all(|(c, p)| linked(&trace, *c, *p)) {
+            break trace;
+        }
+        if start.elapsed() > Duration::from_secs(30) {
+            let missing: Vec<_> = hops
+                .iter()
+                .filter(|(c, p)| !linked(&trace, *c, *p))
+                .collect();
+            let seen: Vec<(String, String)> = trace
+                .iter()
+                .map(|s| (s.service.clone(), s.name.clone()))
+                .collect();
+            bail!("links missing {missing:?}; spans of the trace: {seen:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let services: std::collections::BTreeSet<&str> =
+        spans.iter().map(|s| s.service.as_str()).collect();
+    for s in [SCHEDULER, EXECUTOR, GATEWAY, RECOVERY] {
+        assert!(
+            services.contains(s),
+            "{s} has no span in the trace: {services:?}"
+        );
+    }
+    // the submission is the root: nothing of this workflow started a second trace
+    let roots: Vec<&CollectedSpan> = spans
+        .iter()
+        .filter(|s| s.parent_span_id.is_empty())
+        .collect();
+    assert_eq!(roots.len(), 1, "one root span: {roots:?}");
+    assert_eq!(roots[0].name, "workflow.submit");
+    cluster.stop().await
+}
