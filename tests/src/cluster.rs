@@ -114,6 +114,8 @@ pub struct Cluster {
     pub review_url: String,
     /// `/metrics` of the first recovery instance.
     pub recovery_metrics_url: String,
+    /// `AdapterGateway` of each gateway started, in order.
+    pub gateway_urls: Vec<String>,
     pub processes: Vec<Process>,
     dir: PathBuf,
     bin: PathBuf,
@@ -205,6 +207,7 @@ impl Cluster {
             destination_url: format!("http://127.0.0.1:{destination_port}"),
             review_url: String::new(),
             recovery_metrics_url: String::new(),
+            gateway_urls: Vec::new(),
             processes: Vec::new(),
             dir,
             bin,
@@ -354,6 +357,7 @@ impl Cluster {
             .collect::<Vec<_>>(),
         )?;
         self.processes.push(p);
+        self.gateway_urls.push(format!("http://127.0.0.1:{port}"));
         wait_for_port(port).await
     }
 

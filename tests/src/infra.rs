@@ -235,6 +235,21 @@ impl PrivateNats {
         self.spawn().await
     }
 
+    /// SIGKILL, then `while_down` (it observes the outage), then a start on the same store.
+    pub async fn crash_and_restart_after<F, Fut>(&mut self, while_down: F) -> Result<()>
+    where
+        F: FnOnce() -> Fut,
+        Fut: std::future::Future<Output = Result<()>>,
+    {
+        if let Some(mut c) = self.child.take() {
+            c.start_kill()?;
+            c.wait().await?;
+        }
+        let observed = while_down().await;
+        self.spawn().await?;
+        observed
+    }
+
     pub async fn stop(mut self) {
         if let Some(mut c) = self.child.take() {
             let _ = c.start_kill();

@@ -93,6 +93,12 @@ pub async fn run(
             }
         })
     };
+    let health = z29c_runtime::health_service(
+        "z29c.v1.AdapterGateway",
+        store.clone(),
+        bus.clone(),
+        shutdown.clone(),
+    );
     let service = service::Gateway::new(config.clone(), store);
     tracing::info!(%addr, id = %config.id, adapters = config.adapters.len(), "gateway listening");
     if let Some(ready) = ready {
@@ -101,6 +107,7 @@ pub async fn run(
     let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
     tonic::transport::Server::builder()
         .timeout(Duration::from_secs(60))
+        .add_service(health)
         .add_service(AdapterGatewayServer::new(service))
         .serve_with_incoming_shutdown(incoming, shutdown.cancelled())
         .await?;

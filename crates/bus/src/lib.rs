@@ -179,6 +179,11 @@ impl Bus {
         &self.names
     }
 
+    /// Whether the NATS connection is up now (readiness).
+    pub fn is_connected(&self) -> bool {
+        self.client.connection_state() == async_nats::connection::State::Connected
+    }
+
     pub fn client(&self) -> &async_nats::Client {
         &self.client
     }

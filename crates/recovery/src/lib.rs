@@ -39,6 +39,12 @@ pub async fn run(
     let bus = Bus::connect(&config.nats_url, &config.prefix)
         .await
         .context("connect to NATS")?;
+    let health = z29c_runtime::health_service(
+        "z29c.v1.ReviewService",
+        store.clone(),
+        bus.clone(),
+        shutdown.clone(),
+    );
     let ctx = worker::Context {
         store: store.clone(),
         bus,
@@ -55,6 +61,7 @@ pub async fn run(
     let server = tokio::spawn(
         tonic::transport::Server::builder()
             .timeout(Duration::from_secs(30))
+            .add_service(health)
             .add_service(
                 z29c_proto::v1::review_service_server::ReviewServiceServer::new(
                     review::Reviews::new(store.clone()),

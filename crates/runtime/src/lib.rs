@@ -103,6 +103,46 @@ async fn wait_for_signal() {
     }
 }
 
+/// The gRPC health protocol (`grpc.health.v1.Health`) for a service: `""` and `service` are
+/// `SERVING` while PostgreSQL answers and NATS is connected, `NOT_SERVING` otherwise
+/// (readiness). Checked every second until `shutdown`, then `NOT_SERVING`.
+pub fn health_service(
+    service: &'static str,
+    store: z29c_store::Store,
+    bus: z29c_bus::Bus,
+    shutdown: CancellationToken,
+) -> tonic_health::pb::health_server::HealthServer<impl tonic_health::pb::health_server::Health> {
+    let (reporter, server) = tonic_health::server::health_reporter();
+    tokio::spawn(async move {
+        let mut last = None;
+        loop {
+            let ready = !shutdown.is_cancelled() && bus.is_connected() && store.ping().await;
+            if last != Some(ready) {
+                let status = if ready {
+                    tonic_health::ServingStatus::Serving
+                } else {
+                    tonic_health::ServingStatus::NotServing
+                };
+                for name in ["", service] {
+                    reporter.set_service_status(name, status).await;
+                }
+                if last.is_some() {
+                    tracing::warn!(ready, "readiness changed");
+                }
+                last = Some(ready);
+            }
+            if shutdown.is_cancelled() {
+                return;
+            }
+            tokio::select! {
+                _ = shutdown.cancelled() => {}
+                _ = tokio::time::sleep(std::time::Duration::from_secs(1)) => {}
+            }
+        }
+    });
+    server
+}
+
 /// The one mapping from store errors to gRPC statuses.
 pub fn status_from_store(e: StoreError) -> tonic::Status {
     use tonic::Status;

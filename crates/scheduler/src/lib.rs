@@ -51,6 +51,12 @@ pub async fn run(
         shutdown.clone(),
     ));
     let sweep = tokio::spawn(relay::deadline_sweep(store.clone(), shutdown.clone()));
+    let health = z29c_runtime::health_service(
+        "z29c.v1.WorkflowService",
+        store.clone(),
+        bus.clone(),
+        shutdown.clone(),
+    );
     let service = service::Workflows::new(store, bus, config.limits());
     tracing::info!(%addr, "scheduler listening");
     if let Some(ready) = ready {
@@ -58,6 +64,7 @@ pub async fn run(
     }
     tonic::transport::Server::builder()
         .timeout(Duration::from_secs(30))
+        .add_service(health)
         .add_service(
             WorkflowServiceServer::new(service).max_decoding_message_size(config.max_request_bytes),
         )

@@ -93,6 +93,11 @@ impl Store {
         Ok(Self { pool })
     }
 
+    /// Whether PostgreSQL answers a trivial query now (readiness).
+    pub async fn ping(&self) -> bool {
+        sqlx::query("SELECT 1").execute(&self.pool).await.is_ok()
+    }
+
     pub fn from_pool(pool: PgPool) -> Self {
         Self { pool }
     }
