@@ -13,7 +13,7 @@ use std::path::Path;
 
 use anyhow::Result;
 use chrono::{DateTime, Duration, Utc};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use sqlx::PgPool;
 use uuid::Uuid;
 use z29c_core::AdapterCapability;
@@ -85,7 +85,7 @@ pub struct Expect {
     pub min_completed: usize,
 }
 
-#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+#[derive(Debug, Clone, Serialize, Deserialize, sqlx::FromRow)]
 pub struct StepRow {
     pub id: Uuid,
     pub workflow_id: Uuid,
@@ -96,7 +96,7 @@ pub struct StepRow {
     pub max_attempts: i32,
 }
 
-#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+#[derive(Debug, Clone, Serialize, Deserialize, sqlx::FromRow)]
 pub struct AttemptRow {
     pub id: Uuid,
     pub step_id: Uuid,
@@ -109,7 +109,7 @@ pub struct AttemptRow {
     pub invocation_began_at: Option<DateTime<Utc>>,
 }
 
-#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+#[derive(Debug, Clone, Serialize, Deserialize, sqlx::FromRow)]
 pub struct ReceiptRow {
     pub step_id: Uuid,
     pub attempt_id: Option<Uuid>,
@@ -121,7 +121,7 @@ pub struct ReceiptRow {
     pub committed_at: DateTime<Utc>,
 }
 
-#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+#[derive(Debug, Clone, Serialize, Deserialize, sqlx::FromRow)]
 pub struct LateRow {
     pub step_id: Uuid,
     pub attempt_id: Uuid,
@@ -130,7 +130,7 @@ pub struct LateRow {
     pub fence_reason: serde_json::Value,
 }
 
-#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+#[derive(Debug, Clone, Serialize, Deserialize, sqlx::FromRow)]
 pub struct EventRow {
     pub step_id: Uuid,
     pub lease_version: i64,
@@ -140,7 +140,7 @@ pub struct EventRow {
     pub at: DateTime<Utc>,
 }
 
-#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+#[derive(Debug, Clone, Serialize, Deserialize, sqlx::FromRow)]
 pub struct DecisionRow {
     pub step_id: Uuid,
     pub decision: String,
@@ -149,13 +149,13 @@ pub struct DecisionRow {
     pub decided_at: DateTime<Utc>,
 }
 
-#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+#[derive(Debug, Clone, Serialize, Deserialize, sqlx::FromRow)]
 pub struct LedgerRow {
     pub reference: String,
     pub idempotency_key: Option<String>,
 }
 
-#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+#[derive(Debug, Clone, Serialize, Deserialize, sqlx::FromRow)]
 pub struct PermitRow {
     pub adapter: String,
     pub operation_class: String,
@@ -165,7 +165,7 @@ pub struct PermitRow {
 }
 
 /// Everything a run left behind, as read after it healed.
-#[derive(Debug, Clone, Default, Serialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct History {
     pub steps: Vec<StepRow>,
     pub attempts: Vec<AttemptRow>,
@@ -263,6 +263,11 @@ impl History {
             .fetch_all(pool)
             .await?,
         })
+    }
+
+    /// Reads a history [`History::save`] wrote, to check it again.
+    pub fn read(path: &Path) -> Result<Self> {
+        Ok(serde_json::from_slice(&std::fs::read(path)?)?)
     }
 
     /// Writes the history as JSON, for the post-mortem of a failed cell.
@@ -460,10 +465,14 @@ impl History {
             if capability(&s.adapter) != Some(AdapterCapability::Opaque) {
                 continue;
             }
+            // an attempt released after invocation began got a definite "not performed"
+            // (429, connection refused, no permit): sending again is no repetition
             let invoked: Vec<&AttemptRow> = self
                 .attempts
                 .iter()
-                .filter(|a| a.step_id == s.id && a.invocation_began_at.is_some())
+                .filter(|a| {
+                    a.step_id == s.id && a.invocation_began_at.is_some() && a.state != "released"
+                })
                 .collect();
             if invoked.len() > 1 {
                 v(

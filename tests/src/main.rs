@@ -37,6 +37,13 @@ enum Command {
         #[arg(long)]
         broken: bool,
     },
+    /// Checks a saved history (`history.json` of a failed cell or soak) again.
+    Check {
+        history: std::path::PathBuf,
+        /// Permits allowed in flight per adapter and operation class.
+        #[arg(long, default_value_t = 6)]
+        permit_limit: i64,
+    },
     /// Runs a mixed load while killing and pausing random processes, then checks.
     Soak {
         /// Seed of the fault schedule; the same seed gives the same schedule.
@@ -89,6 +96,37 @@ async fn main() -> Result<()> {
             .await;
             say(&matrix::table(&results));
             if results.iter().any(|r| !r.passed()) {
+                std::process::exit(1);
+            }
+        }
+        Command::Check {
+            history,
+            permit_limit,
+        } => {
+            let h = z29c_scenarios::history::History::read(&history)?;
+            let expect = z29c_scenarios::history::Expect {
+                capabilities: z29c_core::AdapterCapability::ALL
+                    .iter()
+                    .map(|c| (format!("http-{c}"), *c))
+                    .collect(),
+                permit_limit,
+                min_completed: h.steps.len() / 2,
+            };
+            let violations = h.check(&expect);
+            let t = h.tally();
+            say(&format!(
+                "{}: {} steps, {} completed, {} in review, {} external effects · violations: {}",
+                history.display(),
+                t.steps,
+                t.completed,
+                t.in_review,
+                t.effects,
+                violations.len()
+            ));
+            for v in &violations {
+                say(&format!("  violation {v}"));
+            }
+            if !violations.is_empty() {
                 std::process::exit(1);
             }
         }
