@@ -1,98 +1,251 @@
-//! Client commands: submit, watch, status. Output is for people; exit codes for scripts
-//! (0 completed or accepted, 1 failed/cancelled/needs review, 2 bad input).
+//! Client commands: submit, watch, status, review. Output is for people (`--output text`) or
+//! for programs (`--output json`: one JSON document, or one JSON line per change when
+//! following). Exit codes are for scripts, see [`Exit`].
 
 #![allow(clippy::print_stdout)]
 
 use std::path::Path;
 
 use anyhow::Context;
+use serde_json::{Value, json};
 use z29c_proto::v1::review_service_client::ReviewServiceClient;
 use z29c_proto::v1::workflow_service_client::WorkflowServiceClient;
 use z29c_proto::v1::{self as pb, ProductState};
 
 use crate::workflow_file;
 
+/// How results are printed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum Output {
+    Text,
+    Json,
+}
+
+/// The exit codes scripts can rely on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum Exit {
+    /// 1: the workflow failed or was cancelled.
+    #[error("the workflow failed or was cancelled")]
+    Failed = 1,
+    /// 2: the input was refused (a bad file, a bad field, an unknown id).
+    #[error("the input was refused")]
+    BadInput = 2,
+    /// 3: the workflow waits for a person (a delivery status needs review).
+    #[error("the workflow waits for a person")]
+    NeedsReview = 3,
+    /// 4: the service could not be reached or failed.
+    #[error("the service could not be reached or failed")]
+    Unavailable = 4,
+}
+
+/// Maps a gRPC refusal to an exit code, keeping the server's reason.
+fn refused(what: &str, s: tonic::Status) -> anyhow::Error {
+    use tonic::Code;
+    let exit = match s.code() {
+        Code::InvalidArgument
+        | Code::NotFound
+        | Code::FailedPrecondition
+        | Code::AlreadyExists
+        | Code::OutOfRange => Exit::BadInput,
+        _ => Exit::Unavailable,
+    };
+    anyhow::Error::new(exit).context(format!("{what} ({:?}): {}", s.code(), s.message()))
+}
+
+fn end_code(state: ProductState) -> Option<Exit> {
+    match state {
+        ProductState::Completed => None,
+        ProductState::NeedsReview => Some(Exit::NeedsReview),
+        ProductState::Failed | ProductState::Cancelled => Some(Exit::Failed),
+        _ => None,
+    }
+}
+
 async fn connect(server: &str) -> anyhow::Result<WorkflowServiceClient<tonic::transport::Channel>> {
     WorkflowServiceClient::connect(server.to_owned())
         .await
-        .with_context(|| format!("cannot reach the scheduler at {server}"))
+        .map_err(|e| {
+            anyhow::Error::new(Exit::Unavailable)
+                .context(format!("cannot reach the scheduler at {server}: {e}"))
+        })
 }
 
-pub(crate) async fn submit(server: &str, file: &Path, watch: bool) -> anyhow::Result<()> {
-    let req = workflow_file::read(file)?.into_request()?;
-    let mut client = connect(server).await?;
-    let resp = client
-        .submit(req)
-        .await
-        .map_err(|s| anyhow::anyhow!("submit refused: {}", s.message()))?;
-    let resp = resp.into_inner();
-    let wf = resp
-        .workflow
-        .context("scheduler answered without a workflow")?;
-    println!(
-        "{} {} ({})",
-        if resp.created {
-            "submitted"
-        } else {
-            "already submitted"
-        },
-        wf.id,
-        wf.name
-    );
-    if watch {
-        let end = watch_until_done(&mut client, &wf.id).await?;
-        print_workflow(
-            &client
-                .get(pb::GetRequest {
-                    workflow_id: wf.id.clone(),
-                })
-                .await?
-                .into_inner(),
-        );
-        if end != ProductState::Completed {
-            std::process::exit(1);
-        }
-    }
-    Ok(())
-}
-
-pub(crate) async fn status(server: &str, id: &str) -> anyhow::Result<()> {
-    let mut client = connect(server).await?;
-    let wf = client
+async fn get(
+    client: &mut WorkflowServiceClient<tonic::transport::Channel>,
+    id: &str,
+) -> anyhow::Result<pb::Workflow> {
+    Ok(client
         .get(pb::GetRequest {
             workflow_id: id.to_owned(),
         })
         .await
-        .map_err(|s| anyhow::anyhow!("{}", s.message()))?
+        .map_err(|s| refused("status refused", s))?
+        .into_inner())
+}
+
+pub(crate) async fn submit(
+    server: &str,
+    file: &Path,
+    watch: bool,
+    output: Output,
+) -> anyhow::Result<()> {
+    let req = workflow_file::read(file)
+        .and_then(|f| f.into_request())
+        .map_err(|e| e.context(Exit::BadInput))?;
+    let mut client = connect(server).await?;
+    let resp = client
+        .submit(req)
+        .await
+        .map_err(|s| refused("submit refused", s))?
         .into_inner();
-    print_workflow(&wf);
+    let wf = resp
+        .workflow
+        .context("scheduler answered without a workflow")?;
+    match output {
+        Output::Text => println!(
+            "{} {} ({})",
+            if resp.created {
+                "submitted"
+            } else {
+                "already submitted"
+            },
+            wf.id,
+            wf.name
+        ),
+        Output::Json if !watch => {
+            let mut doc = workflow_json(&wf);
+            doc["created"] = json!(resp.created);
+            println!("{doc}");
+        }
+        Output::Json => println!(
+            "{}",
+            json!({ "event": "submitted", "workflow_id": wf.id, "created": resp.created })
+        ),
+    }
+    if watch {
+        follow(&mut client, &wf.id, output).await?;
+    }
     Ok(())
 }
 
-/// Prints each user-facing change until the workflow ends; returns its final state.
+pub(crate) async fn status(
+    server: &str,
+    id: &str,
+    watch: bool,
+    output: Output,
+) -> anyhow::Result<()> {
+    let mut client = connect(server).await?;
+    if watch {
+        return follow(&mut client, id, output).await;
+    }
+    let wf = get(&mut client, id).await?;
+    match output {
+        Output::Text => print_workflow(&wf),
+        Output::Json => println!("{}", workflow_json(&wf)),
+    }
+    Ok(())
+}
+
+/// Follows a workflow to its end, prints it, and turns its end into the exit code.
+async fn follow(
+    client: &mut WorkflowServiceClient<tonic::transport::Channel>,
+    id: &str,
+    output: Output,
+) -> anyhow::Result<()> {
+    let now = get(client, id).await?;
+    // a workflow waiting for a person stays running; following it ends there (exit 3)
+    let end = if now.state() == ProductState::NeedsReview {
+        ProductState::NeedsReview
+    } else {
+        watch_until_done(client, id, output, now.steps.len()).await?
+    };
+    let wf = get(client, id).await?;
+    match output {
+        Output::Text => print_workflow(&wf),
+        Output::Json => println!(
+            "{}",
+            json!({ "event": "ended", "workflow": workflow_json(&wf) })
+        ),
+    }
+    match end_code(end) {
+        Some(code) => {
+            Err(anyhow::Error::new(code).context(format!("workflow {id} ended {}", label(end))))
+        }
+        None => Ok(()),
+    }
+}
+
+/// Prints each user-facing change until the workflow ends; returns its final state. With more
+/// than a few steps, text output is a progress bar of ended steps instead of a line per change.
 pub(crate) async fn watch_until_done(
     client: &mut WorkflowServiceClient<tonic::transport::Channel>,
     id: &str,
+    output: Output,
+    total_steps: usize,
 ) -> anyhow::Result<ProductState> {
     let mut stream = client
         .watch(pb::WatchRequest {
             workflow_id: id.to_owned(),
         })
-        .await?
+        .await
+        .map_err(|s| refused("watch refused", s))?
         .into_inner();
+    let bar = (output == Output::Text && total_steps > 10).then(|| {
+        let bar = indicatif::ProgressBar::new(total_steps as u64);
+        bar.set_style(
+            indicatif::ProgressStyle::with_template("  {bar:40} {pos}/{len} steps ended  {msg}")
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        );
+        bar
+    });
+    let mut ended = std::collections::BTreeSet::new();
     let mut last = ProductState::Unspecified;
-    while let Some(event) = stream.message().await? {
+    while let Some(event) = stream
+        .message()
+        .await
+        .map_err(|s| refused("watch failed", s))?
+    {
         last = event.state();
-        if event.step_name.is_empty() {
-            println!("  workflow: {}", event.state_label);
-        } else {
-            println!(
+        match (output, &bar) {
+            (Output::Json, _) => println!(
+                "{}",
+                json!({
+                    "event": "changed",
+                    "workflow_id": id,
+                    "step": event.step_name,
+                    "step_state": label(event.step_state()),
+                    "workflow_state": event.state_label,
+                })
+            ),
+            (Output::Text, Some(bar)) => {
+                if matches!(
+                    event.step_state(),
+                    ProductState::Completed
+                        | ProductState::Failed
+                        | ProductState::Cancelled
+                        | ProductState::NeedsReview
+                ) {
+                    ended.insert(event.step_name.clone());
+                    bar.set_position(ended.len() as u64);
+                }
+                bar.set_message(event.state_label.clone());
+            }
+            (Output::Text, None) if event.step_name.is_empty() => {
+                println!("  workflow: {}", event.state_label);
+            }
+            (Output::Text, None) => println!(
                 "  {:<10} {:<32} workflow: {}",
                 event.step_name,
                 label(event.step_state()),
                 event.state_label
-            );
+            ),
         }
+        if last == ProductState::NeedsReview {
+            break; // nothing moves until a person resolves it
+        }
+    }
+    if let Some(bar) = bar {
+        bar.finish();
     }
     Ok(last)
 }
@@ -137,6 +290,44 @@ pub(crate) fn print_workflow(wf: &pb::Workflow) {
     }
 }
 
+/// A workflow as JSON: product states first, technical details (lease history) beneath.
+pub(crate) fn workflow_json(wf: &pb::Workflow) -> Value {
+    json!({
+        "id": wf.id,
+        "name": wf.name,
+        "state": wf.state_label,
+        "steps": wf.steps.iter().map(|s| json!({
+            "name": s.name,
+            "adapter": s.adapter,
+            "state": s.state_label,
+            "receipt": s.receipt.as_ref().map(|r| json!({
+                "outcome": r.outcome,
+                "external_reference": r.external_reference,
+                "verification": format!("{:?}", r.verification()),
+                "request_identity": r.request_identity,
+            })),
+            "technical": s.technical.as_ref().map(|t| json!({
+                "lease_version": t.lease_version,
+                "attempts": t.attempts,
+                "checkpoint": t.checkpoint,
+                "events": t.events.iter().map(|e| json!({ "kind": e.kind })).collect::<Vec<_>>(),
+            })),
+        })).collect::<Vec<_>>(),
+    })
+}
+
+fn item_json(i: &pb::ReviewItem) -> Value {
+    json!({
+        "id": i.id,
+        "version": i.version,
+        "state": i.state,
+        "workflow_id": i.workflow_id,
+        "step": i.step_name,
+        "request_identity": i.request_identity,
+        "reason": i.reason,
+    })
+}
+
 #[derive(Debug, clap::Subcommand)]
 pub(crate) enum ReviewCommand {
     /// Open items (all items with --all).
@@ -175,10 +366,25 @@ fn print_item(i: &pb::ReviewItem) {
     );
 }
 
-pub(crate) async fn review(server: &str, command: ReviewCommand) -> anyhow::Result<()> {
+pub(crate) async fn review(
+    server: &str,
+    command: ReviewCommand,
+    output: Output,
+) -> anyhow::Result<()> {
     let mut client = ReviewServiceClient::connect(server.to_owned())
         .await
-        .with_context(|| format!("cannot reach the review service at {server}"))?;
+        .map_err(|e| {
+            anyhow::Error::new(Exit::Unavailable)
+                .context(format!("cannot reach the review service at {server}: {e}"))
+        })?;
+    let show = |items: &[pb::ReviewItem]| match output {
+        Output::Json => println!(
+            "{}",
+            Value::Array(items.iter().map(item_json).collect::<Vec<_>>())
+        ),
+        Output::Text if items.is_empty() => println!("no review items"),
+        Output::Text => items.iter().for_each(print_item),
+    };
     match command {
         ReviewCommand::List { all } => {
             let items = client
@@ -186,13 +392,11 @@ pub(crate) async fn review(server: &str, command: ReviewCommand) -> anyhow::Resu
                     include_resolved: all,
                     ..Default::default()
                 })
-                .await?
+                .await
+                .map_err(|s| refused("list refused", s))?
                 .into_inner()
                 .items;
-            if items.is_empty() {
-                println!("no review items");
-            }
-            items.iter().for_each(print_item);
+            show(&items);
         }
         ReviewCommand::Show { item_id } => {
             let items = client
@@ -201,14 +405,15 @@ pub(crate) async fn review(server: &str, command: ReviewCommand) -> anyhow::Resu
                     page_size: 500,
                     ..Default::default()
                 })
-                .await?
+                .await
+                .map_err(|s| refused("list refused", s))?
                 .into_inner()
                 .items;
             let item = items
                 .iter()
                 .find(|i| i.id == item_id)
-                .context("no such review item")?;
-            print_item(item);
+                .ok_or_else(|| anyhow::Error::new(Exit::BadInput).context("no such review item"))?;
+            show(std::slice::from_ref(item));
         }
         ReviewCommand::Resolve {
             item_id,
@@ -224,7 +429,10 @@ pub(crate) async fn review(server: &str, command: ReviewCommand) -> anyhow::Resu
                 (Some(r), false, false) => Resolution::SucceededExternalReference(r),
                 (None, true, false) => Resolution::Failed(true),
                 (None, false, true) => Resolution::RetrySameIdentity(true),
-                _ => anyhow::bail!("give exactly one of --succeeded REF, --failed, --retry"),
+                _ => {
+                    return Err(anyhow::Error::new(Exit::BadInput)
+                        .context("give exactly one of --succeeded REF, --failed, --retry"));
+                }
             };
             let mut req = tonic::Request::new(pb::ResolveRequest {
                 item_id,
@@ -237,9 +445,9 @@ pub(crate) async fn review(server: &str, command: ReviewCommand) -> anyhow::Resu
             let item = client
                 .resolve(req)
                 .await
-                .map_err(|s| anyhow::anyhow!("resolve refused ({:?}): {}", s.code(), s.message()))?
+                .map_err(|s| refused("resolve refused", s))?
                 .into_inner();
-            print_item(&item);
+            show(std::slice::from_ref(&item));
         }
     }
     Ok(())

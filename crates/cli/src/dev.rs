@@ -150,7 +150,8 @@ pub(crate) async fn run(args: DevArgs) -> anyhow::Result<()> {
         .into_inner();
     let wf = submitted.workflow.context("no workflow in the answer")?;
     println!("demo workflow {} submitted", wf.id);
-    let end = client::watch_until_done(&mut client, &wf.id).await?;
+    let end =
+        client::watch_until_done(&mut client, &wf.id, client::Output::Text, wf.steps.len()).await?;
     let detail = client
         .get(pb::GetRequest {
             workflow_id: wf.id.clone(),

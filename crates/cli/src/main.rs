@@ -16,9 +16,16 @@ use serde::de::DeserializeOwned;
 #[command(
     name = "z29c",
     version,
-    about = "A durable workflow-step engine that never reads a lease as a receipt"
+    about = "A durable workflow-step engine that never reads a lease as a receipt",
+    after_help = "Exit codes: 0 done (or accepted); 1 the workflow failed or was cancelled; \
+                  2 bad input; 3 the workflow waits for a person (review); \
+                  4 a service could not be reached or failed"
 )]
 struct Cli {
+    /// `text` for people, `json` for programs (one document, or a JSON line per change when
+    /// following).
+    #[arg(long, global = true, value_enum, default_value = "text")]
+    output: client::Output,
     #[command(subcommand)]
     command: Command,
 }
@@ -40,6 +47,9 @@ enum Command {
     /// Show a workflow: product states, receipts, and the lease history.
     Status {
         workflow_id: String,
+        /// Follow it live until it ends.
+        #[arg(long)]
+        watch: bool,
         #[arg(long, env = "Z29C_SERVER", default_value = "http://127.0.0.1:50051")]
         server: String,
     },
@@ -101,7 +111,7 @@ fn config<T: Serialize + DeserializeOwned + Default>(
 }
 
 #[tokio::main]
-async fn main() -> anyhow::Result<()> {
+async fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     // one service name per process, for its spans (OTEL_EXPORTER_OTLP_ENDPOINT exports them)
     let service = match &cli.command {
@@ -114,18 +124,34 @@ async fn main() -> anyhow::Result<()> {
         _ => "z29c-cli",
     };
     let _telemetry = z29c_telemetry::trace::init(service);
+    match run(cli).await {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            let code = e.downcast_ref::<client::Exit>().map_or(4, |x| *x as u8);
+            #[allow(clippy::print_stderr)]
+            {
+                eprintln!("z29c: {e:#}");
+            }
+            std::process::ExitCode::from(code)
+        }
+    }
+}
+
+async fn run(cli: Cli) -> anyhow::Result<()> {
+    let output = cli.output;
     match cli.command {
         Command::Dev(args) => dev::run(args).await,
         Command::Submit {
             file,
             watch,
             server,
-        } => client::submit(&server, &file, watch).await,
+        } => client::submit(&server, &file, watch, output).await,
         Command::Status {
             workflow_id,
+            watch,
             server,
-        } => client::status(&server, &workflow_id).await,
-        Command::Review { command, server } => client::review(&server, command).await,
+        } => client::status(&server, &workflow_id, watch, output).await,
+        Command::Review { command, server } => client::review(&server, command, output).await,
         Command::Migrate { database_url } => {
             z29c_store::Store::connect(&database_url, 2)
                 .await?
