@@ -611,7 +611,14 @@ impl Store {
                 "invocation began: the step can only be given to recovery".into(),
             ));
         }
-        let next = if held.workflow_state == WorkflowState::Running {
+        // the workflow's state as it is now, locked against a concurrent end (deadline,
+        // cancel), so a step is never made ready in a workflow that just ended
+        let workflow_state: String =
+            sqlx::query_scalar("SELECT state::text FROM workflows WHERE id = $1 FOR SHARE")
+                .bind(held.workflow)
+                .fetch_one(&mut *tx)
+                .await?;
+        let next = if parse::<WorkflowState>(&workflow_state)? == WorkflowState::Running {
             "ready"
         } else {
             "cancelled"

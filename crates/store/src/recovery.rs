@@ -394,7 +394,14 @@ impl Store {
         )
         .await?;
 
-        let running = held.workflow_state == WorkflowState::Running;
+        // the workflow's state as it is now, locked against a concurrent end (deadline,
+        // cancel): a decision must not make a step ready in a workflow that just ended
+        let workflow_state: String =
+            sqlx::query_scalar("SELECT state::text FROM workflows WHERE id = $1 FOR SHARE")
+                .bind(held.workflow)
+                .fetch_one(&mut *tx)
+                .await?;
+        let running = parse::<WorkflowState>(&workflow_state)? == WorkflowState::Running;
         let next: Option<&str> = match record.decision {
             D::StatusQuery | D::Reconcile => None,
             D::MakeReady | D::Retry if running => Some("ready"),
