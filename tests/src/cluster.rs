@@ -423,6 +423,20 @@ impl Cluster {
         Ok(())
     }
 
+    /// Waits until process `name` has exited (crashed at a fault point, say).
+    pub async fn wait_exited(&mut self, name: &str, within: Duration) -> Result<()> {
+        let start = Instant::now();
+        loop {
+            if self.process(name).context("no such process")?.exited() {
+                return Ok(());
+            }
+            if start.elapsed() > within {
+                bail!("{name} did not crash within {within:?}");
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
     pub fn process(&mut self, name: &str) -> Option<&mut Process> {
         self.processes.iter_mut().find(|p| p.name == name)
     }

@@ -357,21 +357,7 @@ impl Run {
     }
 
     async fn wait_exit(&mut self, name: &str, within: Duration) -> Result<()> {
-        let start = Instant::now();
-        loop {
-            if self
-                .cluster
-                .process(name)
-                .context("no such process")?
-                .exited()
-            {
-                return Ok(());
-            }
-            if start.elapsed() > within {
-                bail!("{name} did not crash within {within:?}");
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        self.cluster.wait_exited(name, within).await
     }
 
     async fn count(&self, sql: &str) -> i64 {

@@ -115,13 +115,9 @@ async fn a_pure_retry_is_a_lease_expiry_without_an_unknown_outcome() -> Result<(
         .into_inner()
         .workflow
         .expect("workflow");
-    let start = Instant::now();
-    while !cluster.process("executor-1").expect("executor-1").exited() {
-        if start.elapsed() > Duration::from_secs(20) {
-            bail!("the executor did not crash");
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    cluster
+        .wait_exited("executor-1", Duration::from_secs(20))
+        .await?;
     cluster.restart("executor-1", &["Z29C_FAULT_CRASH"]).await?;
     cluster
         .wait_all_ended(std::slice::from_ref(&wf.id), Duration::from_secs(60))
