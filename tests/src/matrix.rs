@@ -356,6 +356,21 @@ impl Run {
         }
     }
 
+    /// Waits until process `name`'s log has a line containing `text`.
+    async fn wait_for_log(&self, name: &str, text: &str, within: Duration) -> Result<()> {
+        let path = self.cluster.dir().join(format!("{name}.log"));
+        let start = Instant::now();
+        loop {
+            if std::fs::read_to_string(&path).is_ok_and(|log| log.contains(text)) {
+                return Ok(());
+            }
+            if start.elapsed() > within {
+                bail!("waited {within:?} for {name} to log {text:?}");
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     async fn wait_exit(&mut self, name: &str, within: Duration) -> Result<()> {
         self.cluster.wait_exited(name, within).await
     }
@@ -544,9 +559,11 @@ async fn drive(
             }
             run.submit("target", &target, "target", 2, policy(), None)
                 .await?;
-            run.wait_for(
-                "SELECT count(*) FROM adapter_permits WHERE release_reason = 'succeeded'",
-                "the destination's answer",
+            // the gateway releases its permit before it replies, so the permit table says too
+            // little: the worker's own log says when it holds the answer
+            run.wait_for_log(
+                "executor-1",
+                "fault: stalling after the response",
                 Duration::from_secs(20),
             )
             .await?;
@@ -560,8 +577,11 @@ async fn drive(
                 .process("executor-1")
                 .context("executor-1")?
                 .resume()?;
+            // kept as evidence by the real build; committed as a receipt by the broken one
             run.wait_for(
-                "SELECT count(*) FROM late_observations",
+                "SELECT (SELECT count(*) FROM late_observations)
+                      + (SELECT count(*) FROM attempts
+                         WHERE number = 1 AND response_observed_at IS NOT NULL)",
                 "the paused worker's late result",
                 Duration::from_secs(20),
             )
