@@ -19,6 +19,8 @@ pub struct GatewayConfig {
     /// NATS subject/stream prefix shared by one deployment.
     pub prefix: String,
     pub adapters: Vec<AdapterConfig>,
+    /// Where `/metrics` is served (Prometheus), if anywhere.
+    pub metrics_listen: Option<SocketAddr>,
     /// Fault injection (only with the `faults` feature): abort after the destination answered
     /// that it committed, before replying to the executor.
     #[cfg(feature = "faults")]
@@ -35,6 +37,7 @@ impl Default for GatewayConfig {
             nats_url: "nats://127.0.0.1:4222".into(),
             prefix: "z29c".into(),
             adapters: vec![AdapterConfig::default()],
+            metrics_listen: None,
             #[cfg(feature = "faults")]
             fault_crash_after_destination: false,
         }

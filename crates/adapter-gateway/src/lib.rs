@@ -39,6 +39,10 @@ pub async fn run(
     shutdown: CancellationToken,
     ready: Option<tokio::sync::oneshot::Sender<Started>>,
 ) -> anyhow::Result<()> {
+    if let Some(addr) = config.metrics_listen {
+        z29c_telemetry::serve_prometheus(addr).context("serve /metrics")?;
+        z29c_telemetry::zero_counters(&[z29c_telemetry::ATTEMPT_INVOCATIONS]);
+    }
     let store = Store::connect(&config.database_url, config.max_connections)
         .await
         .context("connect to PostgreSQL")?;

@@ -155,6 +155,12 @@ impl AdapterGateway for Gateway {
             hold: Duration::from_millis(adapter.permit_hold_ms),
         };
         let Some(permit) = self.take_permit(adapter, &permit_req).await? else {
+            z29c_telemetry::metrics::counter!(
+                z29c_telemetry::ATTEMPT_INVOCATIONS,
+                "adapter" => adapter.name.clone(),
+                "result" => "no_permit"
+            )
+            .increment(1);
             return Ok(Response::new(InvokeResponse {
                 outcome: Some(invoke_response::Outcome::RateLimited(pb::RateLimited {
                     retry_after_ms: PERMIT_RETRY.as_millis() as u64,
@@ -217,6 +223,12 @@ impl AdapterGateway for Gateway {
                 )
             }
         };
+        z29c_telemetry::metrics::counter!(
+            z29c_telemetry::ATTEMPT_INVOCATIONS,
+            "adapter" => adapter.name.clone(),
+            "result" => release.unwrap_or("unknown")
+        )
+        .increment(1);
         let permit_result = match release {
             Some(reason) => self.store.release_permit(permit.id, reason).await,
             None => {

@@ -33,6 +33,9 @@ pub(crate) struct DevArgs {
     /// Executors to run.
     #[arg(long, default_value_t = 1)]
     executors: usize,
+    /// Where the operator console is served (another free port if this one is taken).
+    #[arg(long, default_value = "127.0.0.1:8088")]
+    console: std::net::SocketAddr,
 }
 
 const DEMO: &str = include_str!("../../../examples/demo.yaml");
@@ -131,7 +134,36 @@ pub(crate) async fn run(args: DevArgs) -> anyhow::Result<()> {
         return Err(failure(tasks.pop()).await.context("recovery did not start"));
     };
     let server = format!("http://{sched_addr}");
+
+    // one process, one metrics registry: every service's metrics on one /metrics
+    let metrics_addr = free_local_addr()?;
+    z29c_telemetry::serve_prometheus(metrics_addr).context("serve /metrics")?;
+    let console_listen = if std::net::TcpListener::bind(args.console).is_ok() {
+        args.console
+    } else {
+        tracing::warn!(taken = %args.console, "console port taken; using another");
+        "127.0.0.1:0".parse()?
+    };
+    let (console_ready, console_addr) = tokio::sync::oneshot::channel();
+    tasks.push(tokio::spawn(z29c_console::run(
+        z29c_console::ConsoleConfig {
+            listen: console_listen,
+            workflow_server: server.clone(),
+            review_server: format!("http://{rec_addr}"),
+            metrics: vec![format!("http://{metrics_addr}/metrics")],
+        },
+        shutdown.clone(),
+        Some(console_ready),
+    )));
+    let Ok(console_addr) = console_addr.await else {
+        return Err(failure(tasks.pop())
+            .await
+            .context("the console did not start"));
+    };
+
     println!("z29c dev is up in {:.1} s", started.elapsed().as_secs_f64());
+    println!("  console: http://{console_addr}/");
+    println!("  metrics (all services): http://{metrics_addr}/metrics");
     println!("  scheduler (WorkflowService): {server}");
     println!("  recovery (ReviewService): http://{rec_addr}");
     println!("  destination (synthetic external system): {destination_url}");
@@ -183,6 +215,11 @@ pub(crate) async fn run(args: DevArgs) -> anyhow::Result<()> {
         bail!("the demo workflow ended {end:?}");
     }
     Ok(())
+}
+
+/// A loopback address nobody listens on right now.
+fn free_local_addr() -> anyhow::Result<std::net::SocketAddr> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?)
 }
 
 /// Why a service task ended before it was ready.

@@ -84,6 +84,8 @@ enum Command {
     Gateway(ServiceArgs),
     /// Run a recovery worker.
     Recovery(ServiceArgs),
+    /// Serve the operator console (a web page) for a running deployment.
+    Console(ServiceArgs),
 }
 
 #[derive(Debug, clap::Args)]
@@ -121,6 +123,7 @@ async fn main() -> std::process::ExitCode {
         Command::Recovery(_) => "z29c-recovery",
         Command::Gateway(_) => "z29c-adapter-gateway",
         Command::Destination { .. } => "z29c-destination",
+        Command::Console(_) => "z29c-console",
         _ => "z29c-cli",
     };
     let _telemetry = z29c_telemetry::trace::init(service);
@@ -184,6 +187,10 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         },
         Command::Recovery(args) => match config(&args)? {
             Some(c) => z29c_recovery::run(c, z29c_runtime::shutdown_token(), None).await,
+            None => Ok(()),
+        },
+        Command::Console(args) => match config(&args)? {
+            Some(c) => z29c_console::run(c, z29c_runtime::shutdown_token(), None).await,
             None => Ok(()),
         },
         Command::Gateway(args) => match config(&args)? {

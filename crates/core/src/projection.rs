@@ -125,9 +125,161 @@ pub fn project_workflow(
     }
 }
 
+/// Something in a step's history that a person may notice. Everything else a step records
+/// (lease grants and renewals, a takeover before anything was sent, rejected writes, late
+/// evidence) is technical detail and never moves the visible timeline.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Happening {
+    /// An invocation may have begun (checkpoint `invocation_began`).
+    Invoked,
+    /// The adapter said "not now": the step waits for its turn.
+    RateLimited,
+    /// The worker's lease ended without a result (expired, or taken by recovery).
+    LeaseLost,
+    /// The step now waits for a person.
+    ReviewOpened,
+    /// A lease or checkpoint change a person need not see.
+    Churn,
+}
+
+impl Happening {
+    /// Reads a step event's `kind` (and, for checkpoints, its checkpoint name).
+    pub fn of_event(kind: &str, checkpoint: Option<&str>) -> Self {
+        match (kind, checkpoint) {
+            ("checkpoint", Some("invocation_began")) => Self::Invoked,
+            ("rate_limited", _) => Self::RateLimited,
+            ("lease_expired" | "recovery_lease_acquired", _) => Self::LeaseLost,
+            ("review_opened", _) => Self::ReviewOpened,
+            _ => Self::Churn,
+        }
+    }
+}
+
+/// A step's visible timeline: product states in order, each with when it began. It starts
+/// *Preparing* at `created`, follows what a person may notice, and ends in `now` (the step's
+/// current product state). Consecutive repeats collapse, so worker churn shows as nothing and
+/// a takeover after an invocation as one *Recovering execution* entry, never a new item.
+pub fn timeline<T: Copy>(
+    created: T,
+    happenings: impl IntoIterator<Item = (Happening, T)>,
+    now: (ProductState, T),
+) -> Vec<(ProductState, T)> {
+    let mut out: Vec<(ProductState, T)> = vec![(ProductState::Preparing, created)];
+    let push = |out: &mut Vec<(ProductState, T)>, state: ProductState, at: T| {
+        if out.last().map(|(s, _)| *s) != Some(state) {
+            out.push((state, at));
+        }
+    };
+    // whether something may have been sent since the step last started over
+    let mut invoked = false;
+    for (h, at) in happenings {
+        match h {
+            Happening::Invoked => {
+                invoked = true;
+                push(&mut out, ProductState::WaitingOnExternalService, at);
+            }
+            Happening::RateLimited => push(&mut out, ProductState::WaitingOnExternalService, at),
+            Happening::LeaseLost if invoked => {
+                push(&mut out, ProductState::RecoveringExecution, at);
+            }
+            Happening::ReviewOpened => push(&mut out, ProductState::NeedsReview, at),
+            Happening::LeaseLost | Happening::Churn => {}
+        }
+    }
+    push(&mut out, now.0, now.1);
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn worker_churn_leaves_the_timeline_alone() {
+        use Happening as H;
+        use ProductState as P;
+        // claimed, renewed, released, claimed by another worker before anything was sent,
+        // then sent once and answered: preparing, waiting, completed
+        let t = timeline(
+            0,
+            [
+                (H::Churn, 1),
+                (H::Churn, 2),
+                (H::LeaseLost, 3),
+                (H::Churn, 4),
+                (H::Invoked, 5),
+                (H::Churn, 6),
+            ],
+            (P::Completed, 7),
+        );
+        assert_eq!(
+            t,
+            vec![
+                (P::Preparing, 0),
+                (P::WaitingOnExternalService, 5),
+                (P::Completed, 7)
+            ]
+        );
+    }
+
+    #[test]
+    fn a_takeover_after_an_invocation_is_one_recovering_entry() {
+        use Happening as H;
+        use ProductState as P;
+        let t = timeline(
+            0,
+            [
+                (H::Invoked, 1),
+                (H::LeaseLost, 2),
+                (H::LeaseLost, 3),
+                (H::Churn, 4),
+                (H::Invoked, 5),
+            ],
+            (P::Completed, 6),
+        );
+        assert_eq!(
+            t,
+            vec![
+                (P::Preparing, 0),
+                (P::WaitingOnExternalService, 1),
+                (P::RecoveringExecution, 2),
+                (P::WaitingOnExternalService, 5),
+                (P::Completed, 6),
+            ]
+        );
+        let review = timeline(
+            0,
+            [(H::Invoked, 1), (H::LeaseLost, 2), (H::ReviewOpened, 3)],
+            (P::NeedsReview, 4),
+        );
+        assert_eq!(review.last(), Some(&(P::NeedsReview, 3)));
+        assert_eq!(review.len(), 4);
+    }
+
+    #[test]
+    fn event_kinds_read_as_happenings() {
+        use Happening as H;
+        assert_eq!(
+            H::of_event("checkpoint", Some("invocation_began")),
+            H::Invoked
+        );
+        assert_eq!(H::of_event("checkpoint", Some("attempt_created")), H::Churn);
+        assert_eq!(H::of_event("rate_limited", None), H::RateLimited);
+        assert_eq!(H::of_event("lease_expired", None), H::LeaseLost);
+        assert_eq!(H::of_event("recovery_lease_acquired", None), H::LeaseLost);
+        assert_eq!(H::of_event("review_opened", None), H::ReviewOpened);
+        for k in [
+            "lease_acquired",
+            "lease_renewed",
+            "lease_released",
+            "late_observation",
+            "fenced_write_rejected",
+            "recovery_decision",
+            "dependencies_met",
+        ] {
+            assert_eq!(H::of_event(k, None), H::Churn, "{k}");
+        }
+    }
 
     fn all_facts() -> Vec<StepFacts> {
         let mut out = Vec::new();

@@ -192,12 +192,13 @@ async fn attempt(ctx: &Context, step: &ClaimedStep) -> Result<(), StoreError> {
 fn report(outcome: CommitOutcome) {
     match outcome {
         CommitOutcome::Committed(r) => {
-            counter!(
-                z29c_telemetry::STEP_RECEIPTS,
-                "verification" => "direct",
-                "outcome" => r.outcome.to_string()
-            )
-            .increment(1);
+            z29c_telemetry::receipt_committed(
+                "direct",
+                r.outcome.as_str(),
+                (r.committed_at - r.step_created_at)
+                    .to_std()
+                    .unwrap_or_default(),
+            );
             crash_if_armed(CrashPoint::after(Checkpoint::ReceiptCommitted));
             tracing::info!(step = %r.step, reference = ?r.external_reference, outcome = %r.outcome, "receipt committed");
         }

@@ -21,6 +21,9 @@ pub struct ExecutorConfig {
     pub shutdown_grace_ms: u64,
     /// Where `/metrics` is served (Prometheus), if anywhere.
     pub metrics_listen: Option<std::net::SocketAddr>,
+    /// Where the gRPC health protocol is served (SERVING while PostgreSQL answers and NATS
+    /// is connected), if anywhere: the executor has no other server.
+    pub health_listen: Option<std::net::SocketAddr>,
     /// Fault injection (only with the `faults` feature): stall this long after the gateway
     /// answered and before committing, as a paused process would.
     #[cfg(feature = "faults")]
@@ -49,6 +52,7 @@ impl Default for ExecutorConfig {
             poll_ms: 500,
             shutdown_grace_ms: 10_000,
             metrics_listen: None,
+            health_listen: None,
             #[cfg(feature = "faults")]
             fault_stall_after_response_ms: 0,
             #[cfg(feature = "faults")]

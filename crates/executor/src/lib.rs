@@ -59,6 +59,27 @@ pub async fn run(config: ExecutorConfig, shutdown: CancellationToken) -> anyhow:
     let bus = Bus::connect(&config.nats_url, &config.prefix)
         .await
         .context("connect to NATS")?;
+    if let Some(addr) = config.health_listen {
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("bind health_listen {addr}"))?;
+        tracing::info!(addr = %listener.local_addr()?, "gRPC health listening");
+        let health = z29c_runtime::health_service(
+            "z29c.v1.Executor",
+            store.clone(),
+            bus.clone(),
+            shutdown.clone(),
+        );
+        let token = shutdown.clone();
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(health)
+                .serve_with_incoming_shutdown(
+                    tokio_stream::wrappers::TcpListenerStream::new(listener),
+                    token.cancelled_owned(),
+                ),
+        );
+    }
     let gateways = z29c_bus::gateways::Gateways::new(bus.clone());
     let wake = Arc::new(Notify::new());
     let hints = tokio::spawn(listen_for_hints(

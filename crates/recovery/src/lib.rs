@@ -90,10 +90,19 @@ pub async fn run(
             }
             Err(e) => tracing::warn!(error = %e, "expired-lease scan failed"),
         }
-        if let Ok((open, conflicts)) = store.knowledge_counts().await {
-            z29c_telemetry::metrics::gauge!(z29c_telemetry::REVIEW_ITEMS_OPEN).set(open as f64);
-            z29c_telemetry::metrics::gauge!(z29c_telemetry::INTEGRITY_CONFLICTS)
-                .set(conflicts as f64);
+        if let Ok(k) = store.knowledge().await {
+            use z29c_telemetry::metrics::gauge;
+            gauge!(z29c_telemetry::REVIEW_ITEMS_OPEN).set(k.open_reviews as f64);
+            gauge!(z29c_telemetry::INTEGRITY_CONFLICTS).set(k.integrity_conflicts as f64);
+            gauge!(z29c_telemetry::STEP_DUPLICATE_REFERENCES).set(k.duplicate_references as f64);
+            for state in ["running", "completed", "failed", "cancelled"] {
+                let n = k
+                    .workflows_by_state
+                    .iter()
+                    .find(|(s, _)| s == state)
+                    .map_or(0, |(_, n)| *n);
+                gauge!(z29c_telemetry::WORKFLOWS, "state" => state).set(n as f64);
+            }
         }
         tokio::select! {
             _ = shutdown.cancelled() => {}

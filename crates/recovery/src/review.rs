@@ -125,6 +125,18 @@ impl ReviewService for Reviews {
             .resolve_review(item, req.expected_version, &who, &req.reason, &resolution)
             .await
             .map_err(status)?;
+        let (kind, outcome) = match &resolution {
+            Resolution::Succeeded(_) => ("succeeded", Some("succeeded")),
+            Resolution::Failed => ("failed", Some("failed")),
+            Resolution::RetrySameIdentity => ("retry_same_identity", None),
+        };
+        z29c_telemetry::review_resolved(
+            kind,
+            outcome,
+            (chrono::Utc::now() - resolved.created_at)
+                .to_std()
+                .unwrap_or_default(),
+        );
         tracing::info!(%item, %who, resolution = ?resolution, "review item resolved");
         Ok(Response::new(to_wire(resolved)))
     }

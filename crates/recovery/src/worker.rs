@@ -343,6 +343,13 @@ async fn commit_or_conflict(
         .store
         .commit_recovered_receipt(lease, observed, verification)
         .await?;
+    z29c_telemetry::receipt_committed(
+        verification.as_str(),
+        receipt.outcome.as_str(),
+        (receipt.committed_at - receipt.step_created_at)
+            .to_std()
+            .unwrap_or_default(),
+    );
     tracing::info!(step = %lease.step, reference = ?receipt.external_reference, %verification, "receipt committed from evidence");
     Ok(())
 }

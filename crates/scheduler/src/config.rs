@@ -21,6 +21,8 @@ pub struct SchedulerConfig {
     pub max_input_bytes: usize,
     pub max_request_bytes: usize,
     pub bounds: PlatformBounds,
+    /// Where `/metrics` is served (Prometheus), if anywhere.
+    pub metrics_listen: Option<SocketAddr>,
 }
 
 impl Default for SchedulerConfig {
@@ -37,6 +39,7 @@ impl Default for SchedulerConfig {
             max_input_bytes: 64 * 1024,
             max_request_bytes: 4 * 1024 * 1024,
             bounds: PlatformBounds::default(),
+            metrics_listen: None,
         }
     }
 }

@@ -196,6 +196,7 @@ impl Workflows {
                         attempt_id: e.attempt_id.map(|a| a.to_string()).unwrap_or_default(),
                         detail_json: e.detail.to_string(),
                         at: Some(timestamp(e.at)),
+                        owner: e.owner.unwrap_or_default(),
                     })
                     .collect()
             } else {
@@ -235,6 +236,11 @@ impl Workflows {
             .map_err(status_from_store)?;
         tracing::Span::current().record("workflow", tracing::field::display(&submitted.workflow));
         tracing::info!(workflow = %submitted.workflow, created = submitted.created, steps = wf.steps.len(), "workflow submitted");
+        z29c_telemetry::metrics::counter!(
+            z29c_telemetry::WORKFLOW_SUBMISSIONS,
+            "created" => if submitted.created { "true" } else { "false" }
+        )
+        .increment(1);
         Ok(Response::new(pb::SubmitResponse {
             workflow: Some(self.detail(submitted.workflow, false).await?),
             created: submitted.created,

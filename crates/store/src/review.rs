@@ -31,6 +31,17 @@ pub struct ReviewItem {
     pub created_at: DateTime<Utc>,
 }
 
+/// The counts behind the step- and workflow-level gauges (see [`Store::knowledge`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Knowledge {
+    pub open_reviews: i64,
+    pub integrity_conflicts: i64,
+    /// External references that more than one receipt names: each is a duplicate effect.
+    pub duplicate_references: i64,
+    /// `(state, count)` for every workflow state present.
+    pub workflows_by_state: Vec<(String, i64)>,
+}
+
 /// What a person decided.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Resolution {
@@ -107,14 +118,31 @@ impl Store {
         })
     }
 
-    /// Open review items and integrity conflicts on record, for the step-knowledge gauges.
-    pub async fn knowledge_counts(&self) -> Result<(i64, i64)> {
-        Ok(sqlx::query_as(
-            "SELECT (SELECT count(*) FROM review_items WHERE state = 'open'),
-                    (SELECT count(*) FROM integrity_conflicts)",
+    /// What the step- and workflow-level gauges show: open review items, integrity conflicts,
+    /// external references named by more than one receipt, and workflows by state.
+    pub async fn knowledge(&self) -> Result<Knowledge> {
+        let (open_reviews, integrity_conflicts, duplicate_references): (i64, i64, i64) =
+            sqlx::query_as(
+                "SELECT (SELECT count(*) FROM review_items WHERE state = 'open'),
+                        (SELECT count(*) FROM integrity_conflicts),
+                        (SELECT count(*) FROM (SELECT external_reference FROM step_receipts
+                                               WHERE external_reference IS NOT NULL
+                                               GROUP BY external_reference
+                                               HAVING count(*) > 1) d)",
+            )
+            .fetch_one(&self.pool)
+            .await?;
+        let workflows_by_state = sqlx::query_as(
+            "SELECT state::text, count(*) FROM workflows GROUP BY state ORDER BY state",
         )
-        .fetch_one(&self.pool)
-        .await?)
+        .fetch_all(&self.pool)
+        .await?;
+        Ok(Knowledge {
+            open_reviews,
+            integrity_conflicts,
+            duplicate_references,
+            workflows_by_state,
+        })
     }
 
     /// The audit trail of one item.

@@ -82,6 +82,8 @@ pub struct Receipt {
     pub observed_result: Value,
     pub verification: Verification,
     pub committed_at: DateTime<Utc>,
+    /// When the step was submitted: `committed_at` minus this is its time to receipt.
+    pub step_created_at: DateTime<Utc>,
 }
 
 #[derive(sqlx::FromRow)]
@@ -99,6 +101,7 @@ pub(crate) struct ReceiptRow {
     observed_result: Value,
     verification: String,
     committed_at: DateTime<Utc>,
+    step_created_at: DateTime<Utc>,
 }
 
 /// The columns a [`ReceiptRow`] reads, as a literal so queries stay `&'static str`.
@@ -106,7 +109,8 @@ macro_rules! receipt_columns {
     () => {
         "id, step_id, attempt_id, lease_version, input_digest, adapter, adapter_version, \
          request_identity, external_reference, outcome::text AS outcome, observed_result, \
-         verification::text AS verification, committed_at"
+         verification::text AS verification, committed_at, \
+         (SELECT s.created_at FROM steps s WHERE s.id = step_receipts.step_id) AS step_created_at"
     };
 }
 pub(crate) use receipt_columns;
@@ -129,6 +133,7 @@ impl TryFrom<ReceiptRow> for Receipt {
             observed_result: r.observed_result,
             verification: parse(&r.verification)?,
             committed_at: r.committed_at,
+            step_created_at: r.step_created_at,
         })
     }
 }

@@ -7,6 +7,7 @@
 //! [`trace`] sets up tracing and OpenTelemetry, and carries trace context between services.
 
 use std::net::SocketAddr;
+use std::time::Duration;
 
 pub use metrics;
 
@@ -28,12 +29,52 @@ pub const LEASE_ACQUISITIONS: &str = "z29c_lease_acquisitions_total";
 pub const LEASE_RENEWAL_FAILURES: &str = "z29c_lease_renewal_failures_total";
 /// Writes refused because the lease presented was no longer current.
 pub const ATTEMPT_FENCING_REJECTIONS: &str = "z29c_attempt_fencing_rejections_total";
+/// Calls a gateway handled, labelled `adapter` and `result` (`succeeded`, `rejected`,
+/// `rate_limited`, `not_sent`, `unknown`, `no_permit`).
+pub const ATTEMPT_INVOCATIONS: &str = "z29c_attempt_invocations_total";
+/// Workflows submitted to a scheduler, labelled `created` (false: an idempotent repeat).
+pub const WORKFLOW_SUBMISSIONS: &str = "z29c_workflow_submissions_total";
 /// Results a worker observed after losing its lease, kept as evidence.
 pub const ATTEMPT_LATE_OBSERVATIONS: &str = "z29c_attempt_late_observations_total";
 /// Steps whose invocation ended without a known outcome (handed to recovery).
 pub const STEP_UNKNOWN_OUTCOMES: &str = "z29c_step_unknown_outcomes_total";
 /// Receipts committed, labelled `verification` and `outcome`.
 pub const STEP_RECEIPTS: &str = "z29c_step_receipts_total";
+/// From submission to a receipt z29c established itself (seconds), labelled `verification`.
+pub const STEP_TIME_TO_RECEIPT: &str = "z29c_step_time_to_receipt_seconds";
+/// From a review item's opening to a person's resolution (seconds), labelled `resolution`.
+pub const STEP_TIME_TO_MANUAL_RESOLUTION: &str = "z29c_step_time_to_manual_resolution_seconds";
+/// External references named by more than one receipt: each is a duplicate external effect.
+pub const STEP_DUPLICATE_REFERENCES: &str = "z29c_step_duplicate_external_references";
+/// Workflows by state (`running`, `completed`, `failed`, `cancelled`), labelled `state`.
+pub const WORKFLOWS: &str = "z29c_workflows";
+
+/// Counts a committed receipt and how long after submission it came.
+pub fn receipt_committed(verification: &str, outcome: &str, since_submission: Duration) {
+    metrics::counter!(
+        STEP_RECEIPTS,
+        "verification" => verification.to_owned(),
+        "outcome" => outcome.to_owned()
+    )
+    .increment(1);
+    metrics::histogram!(STEP_TIME_TO_RECEIPT, "verification" => verification.to_owned())
+        .record(since_submission.as_secs_f64());
+}
+
+/// Counts a person's resolution of a review item and how long the item waited for it; a
+/// resolution that declares an outcome is also a receipt (verification `manual`).
+pub fn review_resolved(resolution: &str, receipt_outcome: Option<&str>, waited: Duration) {
+    metrics::histogram!(STEP_TIME_TO_MANUAL_RESOLUTION, "resolution" => resolution.to_owned())
+        .record(waited.as_secs_f64());
+    if let Some(outcome) = receipt_outcome {
+        metrics::counter!(
+            STEP_RECEIPTS,
+            "verification" => "manual",
+            "outcome" => outcome.to_owned()
+        )
+        .increment(1);
+    }
+}
 
 /// Serves `/metrics` in the Prometheus text format on `listen`. Call from inside the runtime.
 pub fn serve_prometheus(listen: SocketAddr) -> anyhow::Result<()> {
@@ -89,4 +130,24 @@ fn describe() {
     );
     metrics::describe_gauge!(REVIEW_ITEMS_OPEN, "review items waiting for a person");
     metrics::describe_counter!(LEASE_RECOVERIES, "expired leases taken over by recovery");
+    metrics::describe_histogram!(
+        STEP_TIME_TO_RECEIPT,
+        metrics::Unit::Seconds,
+        "from submission to receipt, by verification (manual: to a person's resolution)"
+    );
+    metrics::describe_histogram!(
+        STEP_TIME_TO_MANUAL_RESOLUTION,
+        metrics::Unit::Seconds,
+        "from a review item's opening to a person's resolution"
+    );
+    metrics::describe_gauge!(
+        STEP_DUPLICATE_REFERENCES,
+        "external references named by more than one receipt"
+    );
+    metrics::describe_gauge!(WORKFLOWS, "workflows by state");
+    metrics::describe_counter!(ATTEMPT_INVOCATIONS, "gateway calls by adapter and result");
+    metrics::describe_counter!(
+        WORKFLOW_SUBMISSIONS,
+        "workflows submitted, by whether created"
+    );
 }
