@@ -394,6 +394,34 @@ impl Cluster {
         Ok(())
     }
 
+    /// Starts the operator console on this cluster's scheduler and first recovery instance,
+    /// summing `metrics` (URLs of `/metrics`); returns its base URL.
+    pub async fn add_console(&mut self, metrics: &[String]) -> Result<String> {
+        let port = free_port()?;
+        let config = self.dir.join("console.toml");
+        let mut toml = format!(
+            "listen = \"127.0.0.1:{port}\"\nworkflow_server = \"{}\"\nreview_server = \"{}\"\nmetrics = [",
+            self.scheduler_url, self.review_url
+        );
+        toml.push_str(
+            &metrics
+                .iter()
+                .map(|m| format!("\"{m}\""))
+                .collect::<Vec<_>>()
+                .join(", "),
+        );
+        toml.push_str("]\n");
+        std::fs::write(&config, toml)?;
+        let p = self.spawn(
+            "console",
+            &["console", "--config", &config.to_string_lossy()],
+            &[],
+        )?;
+        self.processes.push(p);
+        wait_for_port(port).await?;
+        Ok(format!("http://127.0.0.1:{port}"))
+    }
+
     /// Starts one more executor.
     pub async fn add_executor(&mut self) -> Result<()> {
         self.add_executor_with(&[]).await

@@ -66,7 +66,7 @@ pub fn clients(
         Ok(Channel::from_shared(url.to_owned())
             .with_context(|| format!("{what}: bad URL {url:?}"))?
             .connect_timeout(Duration::from_secs(2))
-            .timeout(Duration::from_secs(10))
+            .timeout(Duration::from_secs(5))
             .connect_lazy())
     };
     Ok((
