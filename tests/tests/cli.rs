@@ -138,11 +138,32 @@ async fn a_workflow_waiting_for_a_person_exits_3() -> Result<()> {
     let out = tokio::process::Command::new(z29c_binary()?)
         .args(["review", "list", "--output", "json"])
         .env("Z29C_REVIEW_SERVER", &cluster.review_url)
+        .env("Z29C_SERVER", &server)
         .output()
         .await?;
     let items: Value = serde_json::from_slice(&out.stdout)?;
     assert_eq!(items.as_array().map(Vec::len), Some(1), "{items}");
-    assert_eq!(items[0]["step"], "a");
+    assert_eq!(items[0]["step_name"], "a");
+    assert_eq!(items[0]["workflow_label"], "Delivery status needs review");
+    assert_eq!(items[0]["attempts_made"], 1);
+    assert!(
+        items[0]["decisions"]
+            .as_array()
+            .is_some_and(|d| d.iter().any(|e| e["kind"] == "recovery_decision")),
+        "the recovery decision is shown: {items}"
+    );
+    // the same, for a person: the item, its workflow's state, the decision behind it
+    let out = tokio::process::Command::new(z29c_binary()?)
+        .args(["review", "list"])
+        .env("Z29C_REVIEW_SERVER", &cluster.review_url)
+        .env("Z29C_SERVER", &server)
+        .output()
+        .await?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{out:?}");
+    for want in ["Delivery status needs review", "decision:", "recovery_decision", "attempts 1"] {
+        assert!(text.contains(want), "review list lacks {want:?}:\n{text}");
+    }
     let _ = std::fs::remove_dir_all(&dir);
     cluster.stop().await
 }

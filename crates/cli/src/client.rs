@@ -8,7 +8,6 @@ use std::path::Path;
 
 use anyhow::Context;
 use serde_json::{Value, json};
-use z29c_proto::v1::review_service_client::ReviewServiceClient;
 use z29c_proto::v1::workflow_service_client::WorkflowServiceClient;
 use z29c_proto::v1::{self as pb, ProductState};
 
@@ -316,18 +315,6 @@ pub(crate) fn workflow_json(wf: &pb::Workflow) -> Value {
     })
 }
 
-fn item_json(i: &pb::ReviewItem) -> Value {
-    json!({
-        "id": i.id,
-        "version": i.version,
-        "state": i.state,
-        "workflow_id": i.workflow_id,
-        "step": i.step_name,
-        "request_identity": i.request_identity,
-        "reason": i.reason,
-    })
-}
-
 #[derive(Debug, clap::Subcommand)]
 pub(crate) enum ReviewCommand {
     /// Open items (all items with --all).
@@ -359,61 +346,85 @@ pub(crate) enum ReviewCommand {
     },
 }
 
-fn print_item(i: &pb::ReviewItem) {
+/// One review item as the console's queue shows it: the item, its workflow's state, the
+/// step's adapter, attempts, evidence and decisions.
+fn print_review(r: &z29c_console::view::ReviewView) {
+    let at = |t: &Option<chrono::DateTime<chrono::Utc>>| {
+        t.map(|t| t.format("%H:%M:%S%.3f").to_string())
+            .unwrap_or_default()
+    };
     println!(
-        "{}  v{}  {}  workflow {} step {}  identity {}\n    {}",
-        i.id, i.version, i.state, i.workflow_id, i.step_name, i.request_identity, i.reason
+        "{}  v{}  {}  opened {}",
+        r.id,
+        r.version,
+        r.state,
+        at(&r.created_at)
     );
+    println!(
+        "  workflow {} ({}): {}",
+        r.workflow_name, r.workflow_id, r.workflow_label
+    );
+    println!(
+        "  step {}  {}/{}  identity {}  attempts {}",
+        r.step_name, r.adapter, r.operation, r.request_identity, r.attempts_made
+    );
+    println!("  reason: {}", r.reason);
+    for (title, events) in [("evidence", &r.evidence), ("decision", &r.decisions)] {
+        for e in events {
+            println!(
+                "  {title}: {} {} lease v{} {}  {}",
+                at(&e.at),
+                e.kind,
+                e.lease_version,
+                e.owner,
+                e.detail
+            );
+        }
+    }
 }
 
 pub(crate) async fn review(
     server: &str,
+    workflow_server: &str,
     command: ReviewCommand,
     output: Output,
 ) -> anyhow::Result<()> {
-    let mut client = ReviewServiceClient::connect(server.to_owned())
-        .await
-        .map_err(|e| {
-            anyhow::Error::new(Exit::Unavailable)
-                .context(format!("cannot reach the review service at {server}: {e}"))
-        })?;
-    let show = |items: &[pb::ReviewItem]| match output {
-        Output::Json => println!(
-            "{}",
-            Value::Array(items.iter().map(item_json).collect::<Vec<_>>())
-        ),
-        Output::Text if items.is_empty() => println!("no review items"),
-        Output::Text => items.iter().for_each(print_item),
+    let (mut workflows, mut client) = z29c_console::clients(workflow_server, server)
+        .map_err(|e| anyhow::Error::new(Exit::BadInput).context(format!("{e:#}")))?;
+    let unavailable = |s: tonic::Status| {
+        if s.code() == tonic::Code::Unavailable {
+            anyhow::Error::new(Exit::Unavailable).context(format!(
+                "cannot reach the review service at {server} or the workflow service at {workflow_server}: {}",
+                s.message()
+            ))
+        } else {
+            refused("list refused", s)
+        }
+    };
+    let show = |items: &[z29c_console::view::ReviewView]| -> anyhow::Result<()> {
+        match output {
+            Output::Json => println!("{}", serde_json::to_string(items)?),
+            Output::Text if items.is_empty() => println!("no review items"),
+            Output::Text => items.iter().for_each(print_review),
+        }
+        Ok(())
     };
     match command {
         ReviewCommand::List { all } => {
-            let items = client
-                .list(pb::ListReviewsRequest {
-                    include_resolved: all,
-                    ..Default::default()
-                })
+            let items = z29c_console::review_queue(&mut workflows, &mut client, all)
                 .await
-                .map_err(|s| refused("list refused", s))?
-                .into_inner()
-                .items;
-            show(&items);
+                .map_err(unavailable)?;
+            show(&items)?;
         }
         ReviewCommand::Show { item_id } => {
-            let items = client
-                .list(pb::ListReviewsRequest {
-                    include_resolved: true,
-                    page_size: 500,
-                    ..Default::default()
-                })
+            let items = z29c_console::review_queue(&mut workflows, &mut client, true)
                 .await
-                .map_err(|s| refused("list refused", s))?
-                .into_inner()
-                .items;
+                .map_err(unavailable)?;
             let item = items
                 .iter()
                 .find(|i| i.id == item_id)
                 .ok_or_else(|| anyhow::Error::new(Exit::BadInput).context("no such review item"))?;
-            show(std::slice::from_ref(item));
+            show(std::slice::from_ref(item))?;
         }
         ReviewCommand::Resolve {
             item_id,
@@ -447,7 +458,14 @@ pub(crate) async fn review(
                 .await
                 .map_err(|s| refused("resolve refused", s))?
                 .into_inner();
-            show(std::slice::from_ref(&item));
+            let workflow = workflows
+                .get(pb::GetRequest {
+                    workflow_id: item.workflow_id.clone(),
+                })
+                .await
+                .ok()
+                .map(tonic::Response::into_inner);
+            show(&[z29c_console::view::review(&item, workflow.as_ref())])?;
         }
     }
     Ok(())

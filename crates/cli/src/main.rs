@@ -63,6 +63,9 @@ enum Command {
             default_value = "http://127.0.0.1:50053"
         )]
         server: String,
+        /// The scheduler's WorkflowService, for each item's workflow and evidence.
+        #[arg(long, env = "Z29C_SERVER", default_value = "http://127.0.0.1:50051")]
+        workflow_server: String,
     },
     /// Apply the database migrations.
     Migrate {
@@ -154,7 +157,11 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             watch,
             server,
         } => client::status(&server, &workflow_id, watch, output).await,
-        Command::Review { command, server } => client::review(&server, command, output).await,
+        Command::Review {
+            command,
+            server,
+            workflow_server,
+        } => client::review(&server, &workflow_server, command, output).await,
         Command::Migrate { database_url } => {
             z29c_store::Store::connect(&database_url, 2)
                 .await?

@@ -107,7 +107,7 @@ fn router(app: App) -> Router {
         .route("/", get(page))
         .route("/api/workflows", get(list_workflows))
         .route("/api/workflows/{id}", get(workflow))
-        .route("/api/reviews", get(review_queue))
+        .route("/api/reviews", get(open_review_items))
         .route("/api/reviews/{id}/resolve", post(resolve))
         .route("/api/metrics", get(metrics_overview))
         .with_state(app)
@@ -179,15 +179,18 @@ async fn workflow(
     Ok(Json(view::workflow(&w)))
 }
 
-/// The open review items, each with its workflow's state and its step's evidence.
-pub async fn open_reviews(
+/// The review items (open ones, or all with `include_resolved`), each with its workflow's
+/// state and its step's evidence and decisions: what the console's queue and `z29c review`
+/// both show.
+pub async fn review_queue(
     workflows: &mut WorkflowServiceClient<Channel>,
     reviews: &mut ReviewServiceClient<Channel>,
+    include_resolved: bool,
 ) -> Result<Vec<view::ReviewView>, tonic::Status> {
     let items = reviews
         .list(pb::ListReviewsRequest {
-            include_resolved: false,
-            page_size: 100,
+            include_resolved,
+            page_size: 500,
             page_token: String::new(),
         })
         .await?
@@ -207,9 +210,9 @@ pub async fn open_reviews(
     Ok(out)
 }
 
-async fn review_queue(State(mut app): State<App>) -> Result<Json<Vec<view::ReviewView>>, ApiError> {
+async fn open_review_items(State(mut app): State<App>) -> Result<Json<Vec<view::ReviewView>>, ApiError> {
     Ok(Json(
-        open_reviews(&mut app.workflows, &mut app.reviews).await?,
+        review_queue(&mut app.workflows, &mut app.reviews, false).await?,
     ))
 }
 
