@@ -52,18 +52,26 @@ async fn wait_all(targets: &[(&str, &str)], want: ServingStatus) -> Result<()> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn readiness_follows_nats_and_every_service_speaks_grpc_health() -> Result<()> {
     let mut nats = PrivateNats::start().await?;
-    let cluster = Cluster::start_with(Topology {
+    let mut cluster = Cluster::start_with(Topology {
         recoveries: 1,
         nats_url: Some(nats.url()),
         ..Topology::default()
     })
     .await?;
+    // the executor has no API of its own: it serves only the health protocol
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+    cluster
+        .add_executor_with(&[("Z29C_HEALTH_LISTEN", &format!("127.0.0.1:{port}"))])
+        .await?;
+    let executor = format!("http://127.0.0.1:{port}");
     let gateway = cluster.gateway_urls[0].clone();
     let targets = [
         (cluster.scheduler_url.as_str(), ""),
         (cluster.scheduler_url.as_str(), "z29c.v1.WorkflowService"),
         (gateway.as_str(), "z29c.v1.AdapterGateway"),
         (cluster.review_url.as_str(), "z29c.v1.ReviewService"),
+        (executor.as_str(), ""),
+        (executor.as_str(), "z29c.v1.Executor"),
     ];
     wait_all(&targets, ServingStatus::Serving).await?;
     nats.crash_and_restart_after(|| async { wait_all(&targets, ServingStatus::NotServing).await })

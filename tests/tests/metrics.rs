@@ -92,12 +92,17 @@ async fn a_stale_worker_shows_one_fencing_rejection_and_one_late_observation() -
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pure_retry_is_a_lease_expiry_without_an_unknown_outcome() -> Result<()> {
     let mut cluster = Cluster::start_with(Topology {
+        gateways: 0,
         executors: 0,
         recoveries: 1,
         capability: "opaque",
         ..Topology::default()
     })
     .await?;
+    let gateway_metrics = format!("127.0.0.1:{}", free_port()?);
+    cluster
+        .add_gateway_with(16, &[("Z29C_METRICS_LISTEN", &gateway_metrics)])
+        .await?;
     let port = free_port()?;
     let listen = format!("127.0.0.1:{port}");
     // the first worker dies before it persisted a request identity: nothing was sent
@@ -136,6 +141,24 @@ async fn a_pure_retry_is_a_lease_expiry_without_an_unknown_outcome() -> Result<(
             "z29c_step_unknown_outcomes_total 0",
             "z29c_attempt_fencing_rejections_total 0",
             "z29c_step_receipts_total{verification=\"direct\",outcome=\"succeeded\"} 1",
+            "z29c_step_time_to_receipt_seconds_count{verification=\"direct\"} 1",
+        ],
+    )
+    .await?;
+    // one call reached the destination: the retry's, not the dead worker's
+    scrape_until(
+        &format!("http://{gateway_metrics}/metrics"),
+        &["z29c_attempt_invocations_total{adapter=\"http\",result=\"succeeded\"} 1"],
+    )
+    .await?;
+    // outcomes and knowledge, from PostgreSQL: one workflow completed, no duplicate effect
+    scrape_until(
+        &cluster.recovery_metrics_url,
+        &[
+            "z29c_workflows{state=\"completed\"} 1",
+            "z29c_workflows{state=\"running\"} 0",
+            "z29c_step_duplicate_external_references 0",
+            "z29c_step_review_items_open 0",
         ],
     )
     .await?;
