@@ -161,7 +161,12 @@ async fn a_workflow_waiting_for_a_person_exits_3() -> Result<()> {
         .await?;
     let text = String::from_utf8_lossy(&out.stdout);
     assert_eq!(out.status.code(), Some(0), "{out:?}");
-    for want in ["Delivery status needs review", "decision:", "recovery_decision", "attempts 1"] {
+    for want in [
+        "Delivery status needs review",
+        "decision:",
+        "recovery_decision",
+        "attempts 1",
+    ] {
         assert!(text.contains(want), "review list lacks {want:?}:\n{text}");
     }
     let _ = std::fs::remove_dir_all(&dir);

@@ -59,7 +59,9 @@ async fn readiness_follows_nats_and_every_service_speaks_grpc_health() -> Result
     })
     .await?;
     // the executor has no API of its own: it serves only the health protocol
-    let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port();
     cluster
         .add_executor_with(&[("Z29C_HEALTH_LISTEN", &format!("127.0.0.1:{port}"))])
         .await?;

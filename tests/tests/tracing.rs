@@ -43,6 +43,7 @@ async fn one_workflow_is_one_trace_across_all_services() -> Result<()> {
         env: vec![
             ("OTEL_EXPORTER_OTLP_ENDPOINT".into(), endpoint),
             ("OTEL_BSP_SCHEDULE_DELAY".into(), "100".into()),
+            ("Z29C_LOG_JSON".into(), "1".into()),
         ],
         ..Topology::default()
     })
@@ -140,5 +141,50 @@ async fn one_workflow_is_one_trace_across_all_services() -> Result<()> {
         .collect();
     assert_eq!(roots.len(), 1, "one root span: {roots:?}");
     assert_eq!(roots[0].name, "workflow.submit");
+
+    // the JSON logs name the same trace in every service that logged about the workflow
+    let trace = roots[0].trace_id.clone();
+    let logged: std::collections::BTreeSet<String> = json_log_lines(cluster.dir())?
+        .into_iter()
+        .filter(|(_, line)| line["span"]["trace_id"] == trace.as_str())
+        .map(|(file, line)| {
+            format!(
+                "{} {}",
+                file.split('.').next().unwrap_or_default(),
+                line["fields"]["message"].as_str().unwrap_or_default()
+            )
+        })
+        .collect();
+    for want in [
+        "scheduler workflow submitted",
+        "executor-1 receipt committed",
+        "recovery-1 recovery decision",
+    ] {
+        assert!(
+            logged.contains(want),
+            "no {want:?} log line with trace id {trace}: {logged:?}"
+        );
+    }
     cluster.stop().await
+}
+
+/// Every JSON line of every service log in `dir`, with the log's file name.
+fn json_log_lines(dir: &std::path::Path) -> Result<Vec<(String, serde_json::Value)>> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(dir)? {
+        let path = entry?.path();
+        if path.extension().is_none_or(|e| e != "log") {
+            continue;
+        }
+        let name = path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        for line in std::fs::read_to_string(&path)?.lines() {
+            if let Ok(v) = serde_json::from_str::<serde_json::Value>(line) {
+                out.push((name.clone(), v));
+            }
+        }
+    }
+    Ok(out)
 }

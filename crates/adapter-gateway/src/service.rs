@@ -123,7 +123,7 @@ impl AdapterGateway for Gateway {
         &self,
         request: Request<InvokeRequest>,
     ) -> Result<Response<InvokeResponse>, Status> {
-        let span = tracing::info_span!("gateway.invoke", adapter = %request.get_ref().adapter);
+        let span = tracing::info_span!("gateway.invoke", adapter = %request.get_ref().adapter, trace_id = tracing::field::Empty);
         z29c_telemetry::trace::set_parent(
             &span,
             z29c_telemetry::trace::grpc_traceparent(&request).as_deref(),
@@ -254,7 +254,7 @@ impl AdapterGateway for Gateway {
         &self,
         request: Request<QueryRequest>,
     ) -> Result<Response<QueryResponse>, Status> {
-        let span = tracing::info_span!("gateway.query", adapter = %request.get_ref().adapter);
+        let span = tracing::info_span!("gateway.query", adapter = %request.get_ref().adapter, trace_id = tracing::field::Empty);
         z29c_telemetry::trace::set_parent(
             &span,
             z29c_telemetry::trace::grpc_traceparent(&request).as_deref(),

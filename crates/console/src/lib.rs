@@ -210,7 +210,9 @@ pub async fn review_queue(
     Ok(out)
 }
 
-async fn open_review_items(State(mut app): State<App>) -> Result<Json<Vec<view::ReviewView>>, ApiError> {
+async fn open_review_items(
+    State(mut app): State<App>,
+) -> Result<Json<Vec<view::ReviewView>>, ApiError> {
     Ok(Json(
         review_queue(&mut app.workflows, &mut app.reviews, false).await?,
     ))

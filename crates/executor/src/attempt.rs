@@ -39,9 +39,6 @@ pub async fn run(ctx: Context, step: ClaimedStep) {
     );
     // the attempt joins the workflow's trace, begun at submission
     z29c_telemetry::trace::set_parent(&span, step.trace_context.as_deref());
-    if let Some(id) = z29c_telemetry::trace::trace_id_of(&span) {
-        span.record("trace_id", id);
-    }
     if let Err(e) = attempt(&ctx, &step).instrument(span).await {
         match e {
             StoreError::Fenced(reason) => {

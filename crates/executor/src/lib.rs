@@ -179,7 +179,7 @@ async fn listen_for_hints(bus: Bus, wake: Arc<Notify>, shutdown: CancellationTok
                 next = messages.next() => match next {
                     Some(Ok(msg)) => {
                         // a hint continues the publisher's trace; it carries no truth
-                        let span = tracing::info_span!("step.ready.hint");
+                        let span = tracing::info_span!("step.ready.hint", trace_id = tracing::field::Empty);
                         let traceparent = msg
                             .headers
                             .as_ref()

@@ -43,7 +43,7 @@ pub async fn recover(ctx: &Context, expired: &ExpiredLease) -> Result<(), StoreE
         Err(e) => return Err(e),
     };
     // the decision joins the workflow's trace, begun at submission
-    let span = tracing::info_span!("recovery.decide", step = %expired.step, workflow = %rec.snapshot.workflow);
+    let span = tracing::info_span!("recovery.decide", step = %expired.step, workflow = %rec.snapshot.workflow, trace_id = tracing::field::Empty);
     z29c_telemetry::trace::set_parent(&span, rec.snapshot.trace_context.as_deref());
     decide_on(ctx, expired, rec).instrument(span).await
 }

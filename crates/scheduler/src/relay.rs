@@ -37,7 +37,7 @@ pub async fn relay(store: Store, bus: Bus, id: String, shutdown: CancellationTok
                 continue;
             };
             // one span per message, in the workflow's trace; the consumer continues it
-            let span = tracing::info_span!("outbox.publish", kind = %msg.kind, workflow = %msg.workflow_id);
+            let span = tracing::info_span!("outbox.publish", kind = %msg.kind, workflow = %msg.workflow_id, trace_id = tracing::field::Empty);
             z29c_telemetry::trace::set_parent(&span, msg.trace_context.as_deref());
             let traceparent = z29c_telemetry::trace::traceparent_of(&span);
             match bus

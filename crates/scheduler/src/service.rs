@@ -257,7 +257,11 @@ impl WorkflowService for Workflows {
         request: Request<pb::SubmitRequest>,
     ) -> Result<Response<pb::SubmitResponse>, Status> {
         // the submission is the root of the workflow's trace (or joins the caller's)
-        let span = tracing::info_span!("workflow.submit", workflow = tracing::field::Empty);
+        let span = tracing::info_span!(
+            "workflow.submit",
+            workflow = tracing::field::Empty,
+            trace_id = tracing::field::Empty
+        );
         z29c_telemetry::trace::set_parent(
             &span,
             z29c_telemetry::trace::grpc_traceparent(&request).as_deref(),

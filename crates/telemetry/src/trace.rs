@@ -55,7 +55,7 @@ pub fn init(service: &str) -> TelemetryGuard {
             .with_writer(std::io::stderr)
             .boxed()
     };
-    let provider = exporter(service);
+    let provider = Some(tracer_provider(service));
     let otel = provider.as_ref().map(|p| {
         tracing_opentelemetry::layer()
             .with_tracer(p.tracer("z29c"))
@@ -69,36 +69,45 @@ pub fn init(service: &str) -> TelemetryGuard {
     TelemetryGuard { provider }
 }
 
-fn exporter(service: &str) -> Option<SdkTracerProvider> {
-    let endpoint = std::env::var("OTEL_EXPORTER_OTLP_ENDPOINT")
-        .or_else(|_| std::env::var("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
-        .ok()
-        .filter(|e| !e.is_empty())?;
-    let exporter = match opentelemetry_otlp::SpanExporter::builder()
-        .with_tonic()
-        .build()
-    {
-        Ok(e) => e,
-        Err(e) => {
-            tracing::warn!(error = %e, %endpoint, "OTLP exporter not built; traces stay local");
-            return None;
-        }
-    };
-    let processor =
-        opentelemetry_sdk::trace::span_processor_with_async_runtime::BatchSpanProcessor::builder(
-            exporter,
-            opentelemetry_sdk::runtime::Tokio,
-        )
-        .build();
+/// Trace ids exist whether or not anything is exported, so logs name their trace and context
+/// still travels between services: without `OTEL_EXPORTER_OTLP_ENDPOINT` spans are not
+/// sampled (cheap: nothing is recorded), with it they are exported over OTLP/gRPC.
+fn tracer_provider(service: &str) -> SdkTracerProvider {
+    use opentelemetry_sdk::trace::Sampler;
     let resource = opentelemetry_sdk::Resource::builder()
         .with_service_name(service.to_owned())
         .build();
-    let provider = SdkTracerProvider::builder()
-        .with_span_processor(processor)
-        .with_resource(resource)
-        .build();
+    let builder = SdkTracerProvider::builder().with_resource(resource);
+    let endpoint = std::env::var("OTEL_EXPORTER_OTLP_ENDPOINT")
+        .or_else(|_| std::env::var("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
+        .ok()
+        .filter(|e| !e.is_empty());
+    let exporter = endpoint.and_then(|endpoint| {
+        match opentelemetry_otlp::SpanExporter::builder()
+            .with_tonic()
+            .build()
+        {
+            Ok(e) => Some(e),
+            Err(e) => {
+                tracing::warn!(error = %e, %endpoint, "OTLP exporter not built; traces stay local");
+                None
+            }
+        }
+    });
+    let provider = match exporter {
+        Some(exporter) => {
+            let processor =
+                opentelemetry_sdk::trace::span_processor_with_async_runtime::BatchSpanProcessor::builder(
+                    exporter,
+                    opentelemetry_sdk::runtime::Tokio,
+                )
+                .build();
+            builder.with_span_processor(processor).build()
+        }
+        None => builder.with_sampler(Sampler::AlwaysOff).build(),
+    };
     opentelemetry::global::set_tracer_provider(provider.clone());
-    Some(provider)
+    provider
 }
 
 struct MapCarrier<'a>(&'a mut HashMap<String, String>);
@@ -138,11 +147,18 @@ pub fn current_traceparent() -> Option<String> {
 }
 
 /// Makes `span` a child of the remote span `traceparent` names (nothing if absent or bad).
+///
+/// Either way, a span that declares a `trace_id` field gets its trace id recorded, so every
+/// log line inside it (JSON logs show the current span's fields) names the trace.
 pub fn set_parent(span: &tracing::Span, traceparent: Option<&str>) {
-    let Some(tp) = traceparent else { return };
-    let cx = TraceContextPropagator::new().extract(&OneHeader(Some(tp)));
-    if cx.span().span_context().is_valid() {
-        let _ = span.set_parent(cx);
+    if let Some(tp) = traceparent {
+        let cx = TraceContextPropagator::new().extract(&OneHeader(Some(tp)));
+        if cx.span().span_context().is_valid() {
+            let _ = span.set_parent(cx);
+        }
+    }
+    if let Some(id) = trace_id_of(span) {
+        span.record("trace_id", id);
     }
 }
 
