@@ -151,3 +151,57 @@ fn describe() {
         "workflows submitted, by whether created"
     );
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const NAMES: &[&str] = &[
+        RECOVERY_DECISIONS,
+        INTEGRITY_CONFLICTS,
+        REVIEW_ITEMS_OPEN,
+        LEASE_RECOVERIES,
+        LEASE_EXPIRY_AGE,
+        LEASE_ACQUISITIONS,
+        LEASE_RENEWAL_FAILURES,
+        ATTEMPT_FENCING_REJECTIONS,
+        ATTEMPT_INVOCATIONS,
+        ATTEMPT_LATE_OBSERVATIONS,
+        STEP_UNKNOWN_OUTCOMES,
+        STEP_RECEIPTS,
+        STEP_TIME_TO_RECEIPT,
+        STEP_TIME_TO_MANUAL_RESOLUTION,
+        STEP_DUPLICATE_REFERENCES,
+        WORKFLOWS,
+        WORKFLOW_SUBMISSIONS,
+    ];
+
+    #[test]
+    fn every_name_keeps_its_level() {
+        for n in NAMES {
+            let level = ["z29c_lease_", "z29c_attempt_", "z29c_step_", "z29c_workflow"]
+                .iter()
+                .filter(|p| n.starts_with(*p))
+                .count();
+            assert_eq!(level, 1, "{n} names no level");
+        }
+    }
+
+    /// The Grafana dashboard queries only metrics the services expose.
+    #[test]
+    fn the_dashboard_is_built_on_these_names() {
+        let dashboard = include_str!("../../../deploy/grafana/z29c-dashboard.json");
+        let mut used = 0;
+        for (i, _) in dashboard.match_indices("z29c_") {
+            let rest: String = dashboard[i + "z29c_".len()..]
+                .chars()
+                .take_while(|c| c.is_ascii_lowercase() || *c == '_')
+                .collect();
+            let name = format!("z29c_{rest}");
+            let base = name.strip_suffix("_bucket").unwrap_or(&name);
+            assert!(NAMES.contains(&base), "the dashboard queries {name}, which nothing exposes");
+            used += 1;
+        }
+        assert!(used >= NAMES.len(), "only {used} queries");
+    }
+}
