@@ -179,10 +179,15 @@ mod tests {
     #[test]
     fn every_name_keeps_its_level() {
         for n in NAMES {
-            let level = ["z29c_lease_", "z29c_attempt_", "z29c_step_", "z29c_workflow"]
-                .iter()
-                .filter(|p| n.starts_with(*p))
-                .count();
+            let level = [
+                "z29c_lease_",
+                "z29c_attempt_",
+                "z29c_step_",
+                "z29c_workflow",
+            ]
+            .iter()
+            .filter(|p| n.starts_with(*p))
+            .count();
             assert_eq!(level, 1, "{n} names no level");
         }
     }
@@ -199,7 +204,10 @@ mod tests {
                 .collect();
             let name = format!("z29c_{rest}");
             let base = name.strip_suffix("_bucket").unwrap_or(&name);
-            assert!(NAMES.contains(&base), "the dashboard queries {name}, which nothing exposes");
+            assert!(
+                NAMES.contains(&base),
+                "the dashboard queries {name}, which nothing exposes"
+            );
             used += 1;
         }
         assert!(used >= NAMES.len(), "only {used} queries");
