@@ -56,7 +56,7 @@ pub struct Process {
 }
 
 impl Process {
-    fn pid(&self) -> Option<i32> {
+    pub fn pid(&self) -> Option<i32> {
         self.child.id().map(|p| p as i32)
     }
 
@@ -463,6 +463,11 @@ impl Cluster {
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
+    }
+
+    /// Every process of the cluster, live or not.
+    pub fn processes(&self) -> impl Iterator<Item = &Process> {
+        self.processes.iter()
     }
 
     pub fn process(&mut self, name: &str) -> Option<&mut Process> {

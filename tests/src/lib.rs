@@ -12,6 +12,7 @@
 //! - [`matrix`]: the fault matrix (fault × adapter capability → invariants held).
 //! - [`soak`]: the randomized soak with a reproducible fault schedule.
 //! - [`otlp`]: an in-process OTLP trace receiver, to check traces across services.
+//! - [`bench`]: drain throughput against the PostgreSQL floor (`z29c-scenarios bench`).
 
 use anyhow::{Context, Result};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
@@ -86,6 +87,7 @@ impl TestDatabase {
     }
 }
 
+pub mod bench;
 pub mod cluster;
 pub mod history;
 pub mod infra;

@@ -4,6 +4,8 @@
 //! cargo build -p z29c-cli -p z29c-scenarios      # one build: z29c gets its fault points
 //! target/debug/z29c-scenarios matrix [--parallel 3] [--only crash]
 //! target/debug/z29c-scenarios soak --seed 7 --duration 10m
+//! cargo build --release -p z29c-cli -p z29c-scenarios
+//! target/release/z29c-scenarios bench --steps 20000 --concurrency 8,32 --rounds 3
 //! ```
 
 use std::io::Write;
@@ -36,6 +38,23 @@ enum Command {
         /// Run the deliberately broken build (receipts unfenced): cells must fail.
         #[arg(long)]
         broken: bool,
+    },
+    /// Drain throughput of z29c against pgbench's one-row durable rate, A B A B.
+    Bench {
+        /// Steps pre-loaded before each drain.
+        #[arg(long, default_value_t = 20_000)]
+        steps: usize,
+        /// Concurrencies (attempts at once; pgbench clients), comma-separated.
+        #[arg(long, value_delimiter = ',', default_values_t = [8usize, 32])]
+        concurrency: Vec<usize>,
+        #[arg(long, default_value_t = 3)]
+        rounds: usize,
+        /// pgbench run length, seconds.
+        #[arg(long, default_value_t = 10)]
+        floor_seconds: u64,
+        /// Where the JSON report goes.
+        #[arg(long, default_value = "target/bench/bench.json")]
+        out: std::path::PathBuf,
     },
     /// Checks a saved history (`history.json` of a failed cell or soak) again.
     Check {
@@ -98,6 +117,38 @@ async fn main() -> Result<()> {
             if results.iter().any(|r| !r.passed()) {
                 std::process::exit(1);
             }
+        }
+        Command::Bench {
+            steps,
+            concurrency,
+            rounds,
+            floor_seconds,
+            out,
+        } => {
+            use z29c_scenarios::bench;
+            if steps == 0 || concurrency.contains(&0) || rounds == 0 {
+                bail!("--steps, --concurrency and --rounds must be positive");
+            }
+            let mut report = bench::Report::default();
+            for round in 1..=rounds {
+                for &c in &concurrency {
+                    let f = bench::pgbench_floor(round, c, floor_seconds).await?;
+                    say(&format!("round {round} · pgbench {c} clients: {:.0} TPS", f.tps));
+                    report.floors.push(f);
+                    let d = bench::z29c_drain(round, steps, c).await?;
+                    say(&format!(
+                        "round {round} · z29c concurrency {c}: {steps} steps in {:.1} s = {:.0} steps/s, {:.2} commits/step, {:.0} WAL B/step",
+                        d.seconds, d.steps_per_second, d.commits_per_step, d.wal_bytes_per_step
+                    ));
+                    report.drains.push(d);
+                }
+            }
+            say(&report.table());
+            if let Some(dir) = out.parent() {
+                std::fs::create_dir_all(dir)?;
+            }
+            std::fs::write(&out, serde_json::to_string_pretty(&report)?)?;
+            say(&format!("report: {}", out.display()));
         }
         Command::Check {
             history,

@@ -240,7 +240,8 @@ async fn the_console_shows_product_states_and_a_resolution_in_the_page_completes
                 .click()?
                 .type_into("found it in the destination's ledger")?;
             screenshot(&tab, "console-review-form.png")?;
-            item.find_element(r#"button[type="submit"]"#)?.click()?;
+            // Enter submits the form the focused field is in, wherever the page has scrolled
+            tab.press_key("Enter")?;
             tab.wait_for_element(".review-item .result.ok")
                 .context("the page did not confirm the resolution")?;
             tab.evaluate("location.hash = '#/'", false)?;
