@@ -133,7 +133,10 @@ async fn main() -> Result<()> {
             for round in 1..=rounds {
                 for &c in &concurrency {
                     let f = bench::pgbench_floor(round, c, floor_seconds).await?;
-                    say(&format!("round {round} · pgbench {c} clients: {:.0} TPS", f.tps));
+                    say(&format!(
+                        "round {round} · pgbench {c} clients: {:.0} TPS",
+                        f.tps
+                    ));
                     report.floors.push(f);
                     let d = bench::z29c_drain(round, steps, c).await?;
                     say(&format!(

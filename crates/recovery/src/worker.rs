@@ -26,6 +26,9 @@ pub struct Context {
 }
 
 const QUERY_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a gateway that does not answer Describe is asked again before recovery gives up
+/// on it and treats the adapter as opaque.
+const DESCRIBE_PATIENCE: Duration = Duration::from_secs(3);
 
 /// Recovers one expired lease. Losing the race for the recovery lease to another instance is
 /// not an error: that instance decides.
@@ -243,16 +246,36 @@ async fn decide(
 }
 
 /// The capability the gateway itself declares for the adapter (its Describe answer); an
-/// adapter it does not describe, or a gateway that does not answer, promises nothing.
+/// adapter it does not describe, or a gateway that does not answer, promises nothing. A
+/// gateway that is restarting (the registry still names it) is asked again for a few seconds
+/// first, so a moment's outage does not send an idempotent step to a person.
 async fn described_capability(
     chosen: &z29c_bus::gateways::Chosen,
     adapter: &str,
 ) -> AdapterCapability {
+    use backon::Retryable;
     use z29c_proto::v1::AdapterCapability as Wire;
-    let mut client = chosen.client.clone();
-    let mut req = tonic::Request::new(z29c_proto::v1::DescribeRequest {});
-    req.set_timeout(QUERY_TIMEOUT);
-    match client.describe(req).await {
+    let describe = || {
+        let mut client = chosen.client.clone();
+        async move {
+            let mut req = tonic::Request::new(z29c_proto::v1::DescribeRequest {});
+            req.set_timeout(QUERY_TIMEOUT);
+            client.describe(req).await
+        }
+    };
+    let answer = describe
+        .retry(
+            backon::ExponentialBuilder::default()
+                .with_min_delay(Duration::from_millis(100))
+                .with_max_delay(Duration::from_secs(1))
+                .with_jitter()
+                .with_total_delay(Some(DESCRIBE_PATIENCE))
+                .without_max_times(),
+        )
+        .sleep(tokio::time::sleep)
+        .when(|s| s.code() == tonic::Code::Unavailable)
+        .await;
+    match answer {
         Ok(r) => r
             .into_inner()
             .adapters
