@@ -174,7 +174,8 @@ pub async fn z29c_drain(round: usize, steps: usize, concurrency: usize) -> Resul
 pub async fn pgbench_floor(round: usize, clients: usize, seconds: u64) -> Result<Floor> {
     let db = TestDatabase::create().await?;
     let result = async {
-        let url = db.url().to_owned();
+        // libpq's URI, without sqlx's own query parameters
+        let url = db.url().split('?').next().unwrap_or_default().to_owned();
         let init = tokio::process::Command::new("pgbench")
             .args(["-i", "-q", "-s", "1", &url])
             .output()

@@ -89,6 +89,9 @@ pub async fn run(config: ExecutorConfig, shutdown: CancellationToken) -> anyhow:
     ));
 
     let slots = Arc::new(Semaphore::new(config.workers));
+    // the last claim filled every free slot, so more steps may be waiting: a finished attempt
+    // wakes the loop to claim again at once instead of at the next poll or hint
+    let backlog = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let tracker = TaskTracker::new();
     let attempts_token = CancellationToken::new();
     let poll = Duration::from_millis(config.poll_ms);
@@ -115,12 +118,18 @@ pub async fn run(config: ExecutorConfig, shutdown: CancellationToken) -> anyhow:
                                 config.fault_stall_after_response_ms,
                             ),
                         };
+                        let (wake, backlog) = (wake.clone(), backlog.clone());
                         tracker.spawn(async move {
                             attempt::run(ctx, step).await;
                             drop(slot);
+                            if backlog.load(std::sync::atomic::Ordering::Relaxed) {
+                                wake.notify_one();
+                            }
                         });
                     }
-                    if n == free.min(config.claim_batch) {
+                    let full = n == free.min(config.claim_batch);
+                    backlog.store(full, std::sync::atomic::Ordering::Relaxed);
+                    if full {
                         continue; // more may be waiting: claim again at once
                     }
                 }
