@@ -263,7 +263,9 @@ pub struct Switches {
 }
 
 /// A short policy: leases expire in 1.5 s, so recovery happens within a cell's time.
-fn policy() -> pb::LeasePolicy {
+/// The short lease every cell runs under (1.5 s lease, 8 s attempt deadline, 1 s adapter
+/// timeout, 4 attempts), so faults play out in seconds.
+pub fn policy() -> pb::LeasePolicy {
     pb::LeasePolicy {
         lease_ms: 1_500,
         renew_every_ms: 500,

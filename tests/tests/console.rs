@@ -41,15 +41,7 @@ fn screenshot(tab: &Tab, name: &str) -> Result<()> {
 
 fn short_lease(key: &str, route: &str) -> pb::SubmitRequest {
     let mut req = chain(key, route, 1);
-    req.steps[0].policy = Some(pb::LeasePolicy {
-        lease_ms: 1_500,
-        renew_every_ms: 500,
-        attempt_deadline_ms: 8_000,
-        final_grace_ms: 500,
-        adapter_timeout_ms: 1_000,
-        max_attempts: 4,
-        ..Default::default()
-    });
+    req.steps[0].policy = Some(z29c_scenarios::matrix::policy());
     req
 }
 
