@@ -133,7 +133,7 @@ fn describe() {
     metrics::describe_histogram!(
         STEP_TIME_TO_RECEIPT,
         metrics::Unit::Seconds,
-        "from submission to receipt, by verification (manual: to a person's resolution)"
+        "from submission to a receipt z29c established itself, by verification"
     );
     metrics::describe_histogram!(
         STEP_TIME_TO_MANUAL_RESOLUTION,
