@@ -11,7 +11,7 @@
 use std::io::Write;
 use std::time::Duration;
 
-use anyhow::{Result, bail};
+use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
 use z29c_scenarios::{matrix, soak};
 
@@ -39,9 +39,10 @@ enum Command {
         #[arg(long)]
         broken: bool,
     },
-    /// Drain throughput of z29c against pgbench's one-row durable rate, A B A B.
+    /// z29c side by side with graphile-worker, pg-boss and pgbench's one-row durable rate:
+    /// drain throughput (A B A B), open-loop schedule-to-start latency, re-claim after SIGKILL.
     Bench {
-        /// Steps pre-loaded before each drain.
+        /// Steps (jobs) pre-loaded before each drain.
         #[arg(long, default_value_t = 20_000)]
         steps: usize,
         /// Concurrencies (attempts at once; pgbench clients), comma-separated.
@@ -49,10 +50,25 @@ enum Command {
         concurrency: Vec<usize>,
         #[arg(long, default_value_t = 3)]
         rounds: usize,
+        /// Systems to run besides pgbench, comma-separated: z29c, graphile-worker, pg-boss.
+        #[arg(long, value_delimiter = ',', default_values_t = ["z29c".to_owned(), "graphile-worker".to_owned(), "pg-boss".to_owned()])]
+        systems: Vec<String>,
+        /// Parts to run, comma-separated: drain, latency, reclaim.
+        #[arg(long, value_delimiter = ',', default_values_t = ["drain".to_owned(), "latency".to_owned(), "reclaim".to_owned()])]
+        parts: Vec<String>,
+        /// A drain stops here; its rate is what finished by then.
+        #[arg(long, default_value = "120s", value_parser = humantime::parse_duration)]
+        cap: Duration,
         /// pgbench run length, seconds.
         #[arg(long, default_value_t = 10)]
         floor_seconds: u64,
-        /// Where the JSON report goes.
+        /// Open-loop loads, as fractions of each system's drain rate.
+        #[arg(long, value_delimiter = ',', default_values_t = [0.5f64, 0.8])]
+        loads: Vec<f64>,
+        /// Open-loop run length, seconds.
+        #[arg(long, default_value_t = 20)]
+        latency_seconds: u64,
+        /// Where the JSON report goes; the plot goes beside it (`.svg`).
         #[arg(long, default_value = "target/bench/bench.json")]
         out: std::path::PathBuf,
     },
@@ -122,36 +138,27 @@ async fn main() -> Result<()> {
             steps,
             concurrency,
             rounds,
+            systems,
+            parts,
+            cap,
             floor_seconds,
+            loads,
+            latency_seconds,
             out,
         } => {
-            use z29c_scenarios::bench;
-            if steps == 0 || concurrency.contains(&0) || rounds == 0 {
-                bail!("--steps, --concurrency and --rounds must be positive");
-            }
-            let mut report = bench::Report::default();
-            for round in 1..=rounds {
-                for &c in &concurrency {
-                    let f = bench::pgbench_floor(round, c, floor_seconds).await?;
-                    say(&format!(
-                        "round {round} · pgbench {c} clients: {:.0} TPS",
-                        f.tps
-                    ));
-                    report.floors.push(f);
-                    let d = bench::z29c_drain(round, steps, c).await?;
-                    say(&format!(
-                        "round {round} · z29c concurrency {c}: {steps} steps in {:.1} s = {:.0} steps/s, {:.2} commits/step, {:.0} WAL B/step",
-                        d.seconds, d.steps_per_second, d.commits_per_step, d.wal_bytes_per_step
-                    ));
-                    report.drains.push(d);
-                }
-            }
-            say(&report.table());
-            if let Some(dir) = out.parent() {
-                std::fs::create_dir_all(dir)?;
-            }
-            std::fs::write(&out, serde_json::to_string_pretty(&report)?)?;
-            say(&format!("report: {}", out.display()));
+            bench(BenchArgs {
+                steps,
+                concurrency,
+                rounds,
+                systems,
+                parts,
+                cap,
+                floor_seconds,
+                loads,
+                latency_seconds,
+                out,
+            })
+            .await?
         }
         Command::Check {
             history,
@@ -206,6 +213,169 @@ async fn main() -> Result<()> {
                 std::process::exit(1);
             }
         }
+    }
+    Ok(())
+}
+
+struct BenchArgs {
+    steps: usize,
+    concurrency: Vec<usize>,
+    rounds: usize,
+    systems: Vec<String>,
+    parts: Vec<String>,
+    cap: Duration,
+    floor_seconds: u64,
+    loads: Vec<f64>,
+    latency_seconds: u64,
+    out: std::path::PathBuf,
+}
+
+async fn bench(a: BenchArgs) -> Result<()> {
+    use z29c_scenarios::bench::{self, peers::Peer};
+    if a.steps == 0 || a.concurrency.contains(&0) || a.rounds == 0 {
+        bail!("--steps, --concurrency and --rounds must be positive");
+    }
+    let mut peers_wanted = Vec::new();
+    for s in &a.systems {
+        match s.as_str() {
+            "z29c" => {}
+            "graphile-worker" => peers_wanted.push(Peer::GraphileWorker),
+            "pg-boss" => peers_wanted.push(Peer::PgBoss),
+            other => bail!("--systems: unknown system {other:?} (z29c, graphile-worker, pg-boss)"),
+        }
+    }
+    for p in &a.parts {
+        if !["drain", "latency", "reclaim"].contains(&p.as_str()) {
+            bail!("--parts: unknown part {p:?} (drain, latency, reclaim)");
+        }
+    }
+    if let Some(l) = a.loads.iter().find(|l| !(**l > 0.0 && **l <= 1.0)) {
+        bail!("--loads: {l} is not a fraction in (0, 1]");
+    }
+    let dir = a
+        .out
+        .parent()
+        .unwrap_or(std::path::Path::new("."))
+        .to_owned();
+    std::fs::create_dir_all(&dir)?;
+    let z29c = a.systems.iter().any(|s| s == "z29c");
+    let peers = if peers_wanted.is_empty() {
+        None
+    } else {
+        say("installing graphile-worker and pg-boss (npm ci)…");
+        Some(bench::peers::Peers::install(&dir).await?)
+    };
+    let part = |p: &str| a.parts.iter().any(|x| x == p);
+    let mut report = bench::Report::default();
+    let save = |report: &bench::Report| -> Result<()> {
+        std::fs::write(&a.out, serde_json::to_string_pretty(report)?)?;
+        Ok(())
+    };
+    let line = |d: &bench::Drain| {
+        say(&format!(
+            "round {} · {} concurrency {}: {} steps in {:.1} s = {:.0} steps/s{}, {:.2} commits/step, {:.0} WAL B/step, {:.2} fsyncs/step",
+            d.round,
+            d.system,
+            d.concurrency,
+            d.steps,
+            d.seconds,
+            d.steps_per_second,
+            if d.capped { " (time cap)" } else { "" },
+            d.commits_per_step,
+            d.wal_bytes_per_step,
+            d.fsyncs_per_step
+        ))
+    };
+    if part("drain") {
+        for round in 1..=a.rounds {
+            for &c in &a.concurrency {
+                let f = bench::pgbench_floor(round, c, a.floor_seconds).await?;
+                say(&format!(
+                    "round {round} · pgbench {c} clients: {:.0} TPS",
+                    f.tps
+                ));
+                report.floors.push(f);
+                if z29c {
+                    let d = bench::z29c_drain(round, a.steps, c, a.cap).await?;
+                    line(&d);
+                    report.drains.push(d);
+                }
+                for &p in &peers_wanted {
+                    let peers = peers.as_ref().context("peers installed")?;
+                    let d = bench::peers::drain(peers, p, round, a.steps, c, a.cap).await?;
+                    line(&d);
+                    report.drains.push(d);
+                }
+                save(&report)?;
+            }
+        }
+    }
+    if part("latency") {
+        let c = a.concurrency.iter().copied().max().unwrap_or(8);
+        for &load in &a.loads {
+            for system in &a.systems {
+                // the offered rate is a fraction of the system's own drain rate in this run
+                let Some(drain) = report.drain_median(system, c) else {
+                    say(&format!(
+                        "latency: no {system} drain at concurrency {c} to scale the load by; skipped"
+                    ));
+                    continue;
+                };
+                let rate = (drain.steps_per_second * load).max(1.0);
+                let l = match system.as_str() {
+                    "z29c" => bench::z29c_latency(c, load, rate, a.latency_seconds).await?,
+                    other => {
+                        let p = if other == "pg-boss" {
+                            Peer::PgBoss
+                        } else {
+                            Peer::GraphileWorker
+                        };
+                        let peers = peers.as_ref().context("peers installed")?;
+                        bench::peers::latency(peers, p, c, load, rate, a.latency_seconds).await?
+                    }
+                };
+                say(&format!(
+                    "latency · {system} at {:.0}% ({rate:.0}/s): p50 {:.1} ms, p99 {:.1} ms, p99.9 {:.1} ms ({} of {} started)",
+                    load * 100.0,
+                    l.p50_ms,
+                    l.p99_ms,
+                    l.p999_ms,
+                    l.started,
+                    l.sent
+                ));
+                report.latencies.push(l);
+                save(&report)?;
+            }
+        }
+    }
+    if part("reclaim") {
+        let held = 8;
+        if z29c {
+            let r = bench::z29c_reclaim(held).await?;
+            say(&format!(
+                "re-claim · z29c: {:?} s, completed {:?} s after SIGKILL",
+                r.reclaimed_after, r.completed_after
+            ));
+            report.reclaims.push(r);
+        }
+        if peers_wanted.contains(&Peer::PgBoss) {
+            let peers = peers.as_ref().context("peers installed")?;
+            let r = bench::peers::reclaim(peers, held).await?;
+            say(&format!(
+                "re-claim · pg-boss: {:?} s, completed {:?} s after SIGKILL",
+                r.reclaimed_after, r.completed_after
+            ));
+            report.reclaims.push(r);
+        }
+        save(&report)?;
+    }
+    say(&report.table());
+    save(&report)?;
+    say(&format!("report: {}", a.out.display()));
+    let svg = a.out.with_extension("svg");
+    match bench::plot::write(&report, &svg) {
+        Ok(()) => say(&format!("plot: {}", svg.display())),
+        Err(e) => say(&format!("no plot: {e:#}")),
     }
     Ok(())
 }

@@ -51,6 +51,9 @@ pub struct Faults {
     pub answer_delay_ms: u64,
     /// Pad the answer with this many bytes (an oversized reply).
     pub oversized_bytes: usize,
+    /// Answer with a fresh reference and keep no ledger entry: no-op work, for benchmarks
+    /// that should measure the caller and not this destination's own commits.
+    pub ledger_off: bool,
 }
 
 /// The destination's state: its ledger and its fault switches.
@@ -189,6 +192,10 @@ async fn accept(
         .and_then(|v| v.to_str().ok())
         .map(str::to_owned);
     let honour_key = key.is_some() && !faults.idempotency_off;
+    if faults.ledger_off {
+        let reference = format!("noop-{}", uuid::Uuid::new_v4());
+        return (StatusCode::CREATED, Json(json!({ "reference": reference }))).into_response();
+    }
     let result = commit(&d.pool, &route, key.as_deref(), honour_key, &body).await;
     let (status, reference) = match result {
         Ok(Committed::New(r)) => (StatusCode::CREATED, r),

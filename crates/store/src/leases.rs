@@ -756,13 +756,6 @@ pub(crate) async fn finish_step(
     verification: Verification,
 ) -> Result<Receipt> {
     let step = claim.step.as_uuid();
-    // serialises the ends of one workflow's steps, so the last one sees all the others
-    let workflow_state: String =
-        sqlx::query_scalar("SELECT state::text FROM workflows WHERE id = $1 FOR NO KEY UPDATE")
-            .bind(held.workflow)
-            .fetch_one(&mut *conn)
-            .await?;
-    let workflow_state: WorkflowState = parse(&workflow_state)?;
     let row: ReceiptRow = sqlx::query_as(concat!(
         "INSERT INTO step_receipts (id, step_id, workflow_id, attempt_id, lease_version,
              input_digest, adapter, adapter_version, request_identity, external_reference,
@@ -828,28 +821,62 @@ pub(crate) async fn finish_step(
         json!({ "outcome": observed.outcome.as_str(), "verification": verification.as_str() }),
     )
     .await?;
+    // Serialises the ends of one workflow's steps, so the last one sees all the others. A step
+    // without dependents takes it last, so it is held only through this transaction's COMMIT
+    // and sibling steps of a fan-out commit one after another, not one whole transaction after
+    // another. A step with dependents takes it before it locks their rows, in the order a
+    // cancellation takes them (workflow, then steps), so the two cannot deadlock.
+    let has_dependents: bool =
+        sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM step_dependencies WHERE depends_on = $1)")
+            .bind(step)
+            .fetch_one(&mut *conn)
+            .await?;
+    let early = match has_dependents {
+        true => Some(lock_workflow(conn, held.workflow).await?),
+        false => None,
+    };
+    if early == Some(WorkflowState::Running) && observed.outcome == Outcome::Succeeded {
+        release_dependents(conn, held.workflow, step).await?;
+    }
+    let workflow_state = match early {
+        Some(state) => state,
+        None => lock_workflow(conn, held.workflow).await?,
+    };
     if workflow_state != WorkflowState::Running {
         // a cancelled workflow records what its in-flight step did, and nothing more
         return Ok(receipt);
     }
     match observed.outcome {
-        Outcome::Succeeded => release_dependents(conn, held.workflow, step).await?,
         Outcome::Failed => {
             end_workflow(conn, held.workflow, WorkflowState::Failed).await?;
             stop_unstarted_steps(conn, held.workflow, "a step failed").await?;
-            return Ok(receipt);
+        }
+        Outcome::Succeeded => {
+            // a statement after the lock has a fresh snapshot: every sibling that finished
+            // before us is visible
+            let unfinished: bool = sqlx::query_scalar(
+                "SELECT EXISTS (SELECT 1 FROM steps
+                                WHERE workflow_id = $1 AND state <> 'completed')",
+            )
+            .bind(held.workflow)
+            .fetch_one(&mut *conn)
+            .await?;
+            if !unfinished {
+                end_workflow(conn, held.workflow, WorkflowState::Completed).await?;
+            }
         }
     }
-    let unfinished: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM steps WHERE workflow_id = $1 AND state <> 'completed'",
-    )
-    .bind(held.workflow)
-    .fetch_one(&mut *conn)
-    .await?;
-    if unfinished == 0 {
-        end_workflow(conn, held.workflow, WorkflowState::Completed).await?;
-    }
     Ok(receipt)
+}
+
+/// Locks the workflow's row until the transaction ends and returns its state.
+async fn lock_workflow(conn: &mut PgConnection, workflow: Uuid) -> Result<WorkflowState> {
+    let state: String =
+        sqlx::query_scalar("SELECT state::text FROM workflows WHERE id = $1 FOR NO KEY UPDATE")
+            .bind(workflow)
+            .fetch_one(&mut *conn)
+            .await?;
+    parse(&state)
 }
 
 async fn release_dependents(conn: &mut PgConnection, workflow: Uuid, step: Uuid) -> Result<()> {

@@ -106,27 +106,16 @@ impl Store {
         let limit = limit.ok_or(StoreError::NotFound {
             what: "adapter limit",
         })?;
-        let in_flight: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM adapter_permits
-             WHERE adapter = $1 AND operation_class = $2 AND state <> 'released'
-               AND expires_at > clock_timestamp()",
-        )
-        .bind(req.adapter)
-        .bind(req.operation_class)
-        .fetch_one(&mut *tx)
-        .await?;
-        if in_flight >= i64::from(limit) {
-            return Err(StoreError::PermitsExhausted {
-                adapter: req.adapter.to_owned(),
-                operation_class: req.operation_class.to_owned(),
-                limit,
-            });
-        }
-        let permit: Permit = sqlx::query_as(concat!(
+        // One statement after the lock: its snapshot is taken once the lock is ours, so it
+        // counts every permit committed before; the lock is held only through it and COMMIT.
+        let permit: Option<Permit> = sqlx::query_as(concat!(
             "INSERT INTO adapter_permits (id, adapter, operation_class, attempt_id,
                  request_identity, gateway, expires_at)
-             VALUES ($1, $2, $3, $4, $5, $6,
-                 clock_timestamp() + $7::bigint * interval '1 millisecond')
+             SELECT $1, $2, $3, $4, $5, $6,
+                 clock_timestamp() + $7::bigint * interval '1 millisecond'
+             WHERE (SELECT count(*) FROM adapter_permits
+                    WHERE adapter = $2 AND operation_class = $3 AND state <> 'released'
+                      AND expires_at > clock_timestamp()) < $8
              RETURNING ",
             permit_columns!()
         ))
@@ -137,8 +126,14 @@ impl Store {
         .bind(req.request_identity.as_str())
         .bind(req.gateway)
         .bind(millis(req.hold))
-        .fetch_one(&mut *tx)
+        .bind(i64::from(limit))
+        .fetch_optional(&mut *tx)
         .await?;
+        let permit = permit.ok_or_else(|| StoreError::PermitsExhausted {
+            adapter: req.adapter.to_owned(),
+            operation_class: req.operation_class.to_owned(),
+            limit,
+        })?;
         tx.commit().await?;
         Ok(permit)
     }

@@ -1,0 +1,163 @@
+// Drives graphile-worker or pg-boss for z29c's benchmark (tests/src/bench.rs), each through its
+// own documented API, with no-op jobs. The harness measures PostgreSQL and /proc from outside;
+// this script only loads, works and produces.
+//
+//   node peer.mjs <graphile-worker|pg-boss> load     '{"url":..,"jobs":N}'
+//   node peer.mjs <graphile-worker|pg-boss> work     '{"url":..,"concurrency":C,"samples":"file","holdMs":0}'
+//   node peer.mjs <graphile-worker|pg-boss> produce  '{"url":..,"rate":R,"seconds":S}'
+//
+// `work` runs until SIGTERM (or SIGKILL), writing one line per started job to `samples`:
+// "<job id> <start epoch ms> <intended epoch ms or -1>". Jobs carry their intended enqueue time
+// (`t`) when produced open-loop, so queueing before the enqueue call is not hidden.
+import { appendFileSync, writeFileSync } from "node:fs";
+import { performance } from "node:perf_hooks";
+
+const [system, mode, argJson] = process.argv.slice(2);
+const args = JSON.parse(argJson ?? "{}");
+const QUEUE = "bench";
+const now = () => performance.timeOrigin + performance.now();
+const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
+
+function fail(message) {
+  console.error(`peer.mjs: ${message}`);
+  process.exit(2);
+}
+if (!["graphile-worker", "pg-boss"].includes(system)) fail(`unknown system ${system}`);
+if (!["load", "work", "produce"].includes(mode)) fail(`unknown mode ${mode}`);
+if (!args.url) fail("missing url");
+
+// ---- graphile-worker ---------------------------------------------------------------------
+async function graphile() {
+  const gw = await import("graphile-worker");
+  if (mode === "work") {
+    let buffered = [];
+    const flush = () => {
+      if (buffered.length && args.samples) appendFileSync(args.samples, buffered.join(""));
+      buffered = [];
+    };
+    setInterval(flush, 100).unref();
+    // graphile-worker logs every job at INFO; the harness wants its stdout quiet
+    const logger = new gw.Logger(() => (level, message) => {
+      if (level === "error") console.error(message);
+    });
+    const runner = await gw.run({
+      connectionString: args.url,
+      logger,
+      crontab: "",
+      concurrency: args.concurrency,
+      maxPoolSize: args.concurrency + 2,
+      noHandleSignals: true,
+      pollInterval: 2000,
+      taskList: {
+        [QUEUE]: async (payload, helpers) => {
+          buffered.push(`${helpers.job.id} ${now()} ${payload?.t ?? -1}\n`);
+          if (args.holdMs) {
+            flush();
+            await sleep(args.holdMs);
+          }
+        },
+      },
+    });
+    console.log(JSON.stringify({ event: "working" }));
+    process.on("SIGTERM", async () => {
+      flush();
+      await runner.stop();
+      process.exit(0);
+    });
+    await runner.promise;
+    return;
+  }
+  const utils = await gw.makeWorkerUtils({
+    connectionString: args.url,
+    logger: new gw.Logger(() => () => {}),
+  });
+  await utils.migrate();
+  if (mode === "load") {
+    for (let done = 0; done < args.jobs; ) {
+      const n = Math.min(1000, args.jobs - done);
+      await utils.addJobs(Array.from({ length: n }, () => ({ identifier: QUEUE, payload: {} })));
+      done += n;
+    }
+  } else {
+    await produce((t) => utils.addJob(QUEUE, { t }));
+  }
+  await utils.release();
+}
+
+// ---- pg-boss -----------------------------------------------------------------------------
+async function pgboss() {
+  const { default: PgBoss } = await import("pg-boss");
+  const boss = new PgBoss({
+    connectionString: args.url,
+    max: (args.concurrency ?? 1) + 2,
+    // expiry is checked by maintenance: once a second, its minimum
+    maintenanceIntervalSeconds: 1,
+    supervise: mode === "work",
+    schedule: false,
+  });
+  boss.on("error", (e) => console.error(`pg-boss: ${e.message}`));
+  await boss.start();
+  // a 5 s expiry, like z29c's bench lease; one retry brings an expired job back
+  await boss.createQueue(QUEUE, { expireInSeconds: 5, retryLimit: 1, retryDelay: 0 });
+  if (mode === "work") {
+    let buffered = [];
+    const flush = () => {
+      if (buffered.length && args.samples) appendFileSync(args.samples, buffered.join(""));
+      buffered = [];
+    };
+    setInterval(flush, 100).unref();
+    // pg-boss 10 runs one fetch loop per work() call, and a loop waits out its polling interval
+    // (0.5 s at least) after each fetch: concurrency C = C loops of one job each
+    for (let i = 0; i < args.concurrency; i++) {
+      await boss.work(QUEUE, { batchSize: 1, pollingIntervalSeconds: 0.5 }, async ([job]) => {
+        buffered.push(`${job.id} ${now()} ${job.data?.t ?? -1}\n`);
+        if (args.holdMs) {
+          flush();
+          await sleep(args.holdMs);
+        }
+      });
+    }
+    console.log(JSON.stringify({ event: "working" }));
+    process.on("SIGTERM", async () => {
+      flush();
+      await boss.stop({ graceful: true, wait: true, timeout: 5000 });
+      process.exit(0);
+    });
+    return;
+  }
+  if (mode === "load") {
+    for (let done = 0; done < args.jobs; ) {
+      const n = Math.min(1000, args.jobs - done);
+      await boss.insert(Array.from({ length: n }, () => ({ name: QUEUE, data: {} })));
+      done += n;
+    }
+  } else {
+    await produce((t) => boss.send(QUEUE, { t }));
+  }
+  await boss.stop({ graceful: false, wait: true });
+}
+
+// Open loop: job i is due at start + i/rate whatever happened to job i-1; its intended time
+// travels with it.
+async function produce(enqueue) {
+  const start = now() + 200;
+  const total = Math.round(args.rate * args.seconds);
+  const pending = [];
+  let failed = 0;
+  for (let i = 0; i < total; i++) {
+    const due = start + (i * 1000) / args.rate;
+    const wait = due - now();
+    if (wait > 1) await sleep(wait);
+    pending.push(enqueue(due).catch(() => (failed += 1)));
+  }
+  await Promise.all(pending);
+  console.log(JSON.stringify({ event: "produced", jobs: total, failed }));
+}
+
+try {
+  if (system === "graphile-worker") await graphile();
+  else await pgboss();
+  if (mode === "load") console.log(JSON.stringify({ event: "loaded", jobs: args.jobs }));
+} catch (e) {
+  fail(e.stack ?? String(e));
+}

@@ -1,0 +1,668 @@
+//! The benchmark harness (issue 7): z29c end to end, side by side with graphile-worker and
+//! pg-boss ([`peers`]) and with the physical limit of the same PostgreSQL, in alternating rounds
+//! (A B A B) so all see the same machine. Figures only; nothing here asserts a time.
+//!
+//! Measured per run: steps per second to drain `steps` pre-loaded steps (scheduler →
+//! JetStream → executor → gateway over gRPC → destination over HTTP → receipt), PostgreSQL
+//! commits and WAL bytes per completed step (`pg_stat_database`, `pg_current_wal_lsn()`),
+//! and each process's peak RSS and CPU seconds (`/proc`). The floor is `pgbench` running a
+//! one-row durable update at the same client count (TPS_floor); L = TPS_floor ÷
+//! commits-per-step is what z29c could reach if commits were all it paid for.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use serde::Serialize;
+use z29c_proto::v1 as pb;
+
+use crate::TestDatabase;
+use crate::cluster::{Cluster, Topology};
+
+pub mod peers;
+pub mod plot;
+
+/// One drain run of one system.
+#[derive(Debug, Clone, Serialize)]
+pub struct Drain {
+    pub system: String,
+    pub round: usize,
+    pub concurrency: usize,
+    pub steps: usize,
+    pub seconds: f64,
+    pub steps_per_second: f64,
+    /// The drain hit its time cap: `steps` is what finished by then.
+    pub capped: bool,
+    pub commits_per_step: f64,
+    pub wal_bytes_per_step: f64,
+    /// WAL syncs per step (`pg_stat_wal.wal_sync`; server-wide, so a quiet server matters).
+    pub fsyncs_per_step: f64,
+    /// (process, peak RSS MiB, CPU seconds)
+    pub processes: Vec<(String, f64, f64)>,
+}
+
+/// PostgreSQL's counters before and after a run.
+#[derive(Debug, Clone)]
+pub struct Counters {
+    commits: i64,
+    lsn: String,
+    wal_syncs: i64,
+}
+
+impl Counters {
+    pub async fn take(pool: &sqlx::PgPool) -> Result<Self> {
+        let (commits, lsn, wal_syncs) = sqlx::query_as(
+            "SELECT xact_commit, pg_current_wal_lsn()::text,
+                    (SELECT wal_sync FROM pg_stat_wal)
+             FROM pg_stat_database WHERE datname = current_database()",
+        )
+        .fetch_one(pool)
+        .await?;
+        Ok(Self {
+            commits,
+            lsn,
+            wal_syncs,
+        })
+    }
+
+    fn wal_bytes_since(&self, before: &Self) -> f64 {
+        fn lsn(v: &str) -> f64 {
+            let (hi, lo) = v.split_once('/').unwrap_or(("0", "0"));
+            (u64::from_str_radix(hi, 16).unwrap_or(0) * (1 << 32)
+                + u64::from_str_radix(lo, 16).unwrap_or(0)) as f64
+        }
+        lsn(&self.lsn) - lsn(&before.lsn)
+    }
+}
+
+impl Drain {
+    /// `harness_queries`: the harness's own autocommit reads in the window, not counted.
+    #[allow(clippy::too_many_arguments)]
+    pub fn from_counters(
+        system: &str,
+        round: usize,
+        concurrency: usize,
+        steps: usize,
+        seconds: f64,
+        capped: bool,
+        before: &Counters,
+        after: &Counters,
+        harness_queries: usize,
+        processes: Vec<(String, f64, f64)>,
+    ) -> Self {
+        let per = |v: f64| v / steps.max(1) as f64;
+        Self {
+            system: system.into(),
+            round,
+            concurrency,
+            steps,
+            seconds,
+            steps_per_second: steps as f64 / seconds,
+            capped,
+            commits_per_step: per((after.commits - before.commits - harness_queries as i64) as f64),
+            wal_bytes_per_step: per(after.wal_bytes_since(before)),
+            fsyncs_per_step: per((after.wal_syncs - before.wal_syncs) as f64),
+            processes,
+        }
+    }
+}
+
+/// Schedule-to-start latency of one system under an open-loop load.
+#[derive(Debug, Clone, Serialize)]
+pub struct Latency {
+    pub system: String,
+    /// Fraction of the system's drain rate offered.
+    pub load: f64,
+    pub rate: f64,
+    pub sent: usize,
+    pub started: usize,
+    pub p50_ms: f64,
+    pub p99_ms: f64,
+    pub p999_ms: f64,
+    pub max_ms: f64,
+}
+
+/// Builds a [`Latency`] from milliseconds per started job (HDR histogram, µs resolution).
+pub fn latency_from(
+    system: &str,
+    load: f64,
+    rate: f64,
+    sent: usize,
+    ms: &[f64],
+) -> Result<Latency> {
+    let mut h = hdrhistogram::Histogram::<u64>::new_with_bounds(1, 600_000_000, 3)?;
+    for v in ms {
+        h.saturating_record((v.max(0.0) * 1_000.0).round() as u64);
+    }
+    let q = |q: f64| h.value_at_quantile(q) as f64 / 1_000.0;
+    Ok(Latency {
+        system: system.into(),
+        load,
+        rate,
+        sent,
+        started: ms.len(),
+        p50_ms: q(0.5),
+        p99_ms: q(0.99),
+        p999_ms: q(0.999),
+        max_ms: h.max() as f64 / 1_000.0,
+    })
+}
+
+/// Time from SIGKILL of a worker holding steps to their re-claim and their completion.
+#[derive(Debug, Clone, Serialize)]
+pub struct Reclaim {
+    pub system: String,
+    pub held: usize,
+    pub lease_seconds: f64,
+    /// The last of the held steps taken again, seconds after the kill.
+    pub reclaimed_after: Option<f64>,
+    /// The last of them completed, seconds after the kill.
+    pub completed_after: Option<f64>,
+    pub note: String,
+}
+
+/// One pgbench run: the one-row durable transaction rate.
+#[derive(Debug, Clone, Serialize)]
+pub struct Floor {
+    pub round: usize,
+    pub clients: usize,
+    pub tps: f64,
+}
+
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Report {
+    pub drains: Vec<Drain>,
+    pub floors: Vec<Floor>,
+    pub latencies: Vec<Latency>,
+    pub reclaims: Vec<Reclaim>,
+}
+
+/// Steps per submitted workflow: independent, so all are ready at once.
+const STEPS_PER_WORKFLOW: usize = 100;
+
+fn workflow(i: usize, steps: usize) -> pb::SubmitRequest {
+    workflow_named(&format!("bench-{i}"), steps)
+}
+
+fn workflow_named(key: &str, steps: usize) -> pb::SubmitRequest {
+    pb::SubmitRequest {
+        client_key: key.to_owned(),
+        name: key.to_owned(),
+        steps: (0..steps)
+            .map(|s| pb::StepDefinition {
+                name: format!("s{s}"),
+                adapter: "http".into(),
+                operation: "bench".into(),
+                input_json: "{}".into(),
+                depends_on: vec![],
+                policy: None,
+            })
+            .collect(),
+        deadline: None,
+    }
+}
+
+/// Peak RSS (MiB) and CPU seconds of a live process, from `/proc`.
+pub(crate) fn proc_usage(pid: i32) -> Option<(f64, f64)> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let hwm_kib: f64 = status
+        .lines()
+        .find(|l| l.starts_with("VmHWM:"))?
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()?;
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // fields after the command name (which may hold spaces) start after the last ')'
+    let rest: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+    let ticks: f64 = rest.get(11)?.parse::<f64>().ok()? + rest.get(12)?.parse::<f64>().ok()?;
+    Some((hwm_kib / 1024.0, ticks / 100.0))
+}
+
+/// Drains `steps` pre-loaded steps through one executor running `concurrency` attempts.
+pub async fn z29c_drain(
+    round: usize,
+    steps: usize,
+    concurrency: usize,
+    cap: Duration,
+) -> Result<Drain> {
+    let mut cluster = Cluster::start_with(Topology {
+        gateways: 1,
+        executors: 0,
+        permit_limit: 100_000,
+        ..Topology::default()
+    })
+    .await?;
+    let result = async {
+        let pool = cluster.db.pool(2).await?;
+        // no-op destination work: the destination answers without its own ledger commit
+        cluster
+            .set_faults("bench", serde_json::json!({ "ledger_off": true }))
+            .await?;
+        let mut client = cluster.client().await?;
+        let workflows = steps.div_ceil(STEPS_PER_WORKFLOW);
+        for i in 0..workflows {
+            let n = STEPS_PER_WORKFLOW.min(steps - i * STEPS_PER_WORKFLOW);
+            client
+                .submit(workflow(i, n))
+                .await
+                .with_context(|| format!("preload workflow {i}"))?;
+        }
+        // let the stats of the preload settle before counting
+        tokio::time::sleep(Duration::from_millis(1_500)).await;
+        let before = Counters::take(&pool).await?;
+        let start = Instant::now();
+        cluster
+            .add_executor_with(&[
+                ("Z29C_WORKERS", &concurrency.to_string()),
+                ("Z29C_CLAIM_BATCH", &concurrency.min(64).to_string()),
+            ])
+            .await?;
+        let mut polls = 0;
+        let mut done;
+        loop {
+            done = receipts(&pool).await?;
+            polls += 1;
+            if done >= steps || start.elapsed() > cap {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let seconds = start.elapsed().as_secs_f64();
+        let processes = cluster
+            .processes()
+            .filter_map(|p| {
+                let (rss, cpu) = proc_usage(p.pid()?)?;
+                Some((p.name.clone(), rss, cpu))
+            })
+            .collect();
+        // backends flush their statistics within a second of going idle
+        tokio::time::sleep(Duration::from_millis(1_500)).await;
+        let after = Counters::take(&pool).await?;
+        pool.close().await;
+        anyhow::Ok(Drain::from_counters(
+            "z29c",
+            round,
+            concurrency,
+            done,
+            seconds,
+            done < steps,
+            &before,
+            &after,
+            polls + 1,
+            processes,
+        ))
+    }
+    .await;
+    cluster.stop().await?;
+    result
+}
+
+async fn receipts(pool: &sqlx::PgPool) -> Result<usize> {
+    let n: i64 = sqlx::query_scalar("SELECT count(*) FROM step_receipts")
+        .fetch_one(pool)
+        .await?;
+    Ok(n as usize)
+}
+
+/// A cluster whose destination does no-op work, with one executor of `concurrency` workers.
+async fn z29c_cluster(concurrency: usize, recoveries: usize) -> Result<Cluster> {
+    let mut cluster = Cluster::start_with(Topology {
+        gateways: 1,
+        executors: 0,
+        recoveries,
+        permit_limit: 100_000,
+        ..Topology::default()
+    })
+    .await?;
+    cluster
+        .set_faults("bench", serde_json::json!({ "ledger_off": true }))
+        .await?;
+    cluster
+        .add_executor_with(&[
+            ("Z29C_WORKERS", &concurrency.to_string()),
+            ("Z29C_CLAIM_BATCH", &concurrency.min(64).to_string()),
+        ])
+        .await?;
+    Ok(cluster)
+}
+
+fn epoch_ms() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_secs_f64()
+        * 1_000.0
+}
+
+/// z29c's schedule-to-start latency: one-step workflows submitted open-loop at `rate` per
+/// second; latency is from each submission's intended time to its *invocation began*.
+pub async fn z29c_latency(
+    concurrency: usize,
+    load: f64,
+    rate: f64,
+    seconds: u64,
+) -> Result<Latency> {
+    let cluster = z29c_cluster(concurrency, 0).await?;
+    let result = async {
+        let pool = cluster.db.pool(2).await?;
+        let client = cluster.client().await?;
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let total = (rate * seconds as f64).round() as usize;
+        let (t0, e0) = (
+            tokio::time::Instant::now() + Duration::from_millis(200),
+            epoch_ms() + 200.0,
+        );
+        let mut intended = Vec::with_capacity(total);
+        let mut sends = tokio::task::JoinSet::new();
+        for i in 0..total {
+            let offset = i as f64 / rate;
+            tokio::time::sleep_until(t0 + Duration::from_secs_f64(offset)).await;
+            intended.push(e0 + offset * 1_000.0);
+            let mut client = client.clone();
+            sends.spawn(async move { client.submit(workflow_named(&format!("lat-{i}"), 1)).await });
+        }
+        let mut failed = 0;
+        while let Some(r) = sends.join_next().await {
+            if !matches!(r, Ok(Ok(_))) {
+                failed += 1;
+            }
+        }
+        let until = Instant::now() + Duration::from_secs(60);
+        while receipts(&pool).await? + failed < total && Instant::now() < until {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let began: Vec<(String, f64)> = sqlx::query_as(
+            "SELECT w.client_key, extract(epoch FROM a.invocation_began_at)::float8 * 1000
+             FROM attempts a JOIN workflows w ON w.id = a.workflow_id
+             WHERE a.number = 1 AND a.invocation_began_at IS NOT NULL",
+        )
+        .fetch_all(&pool)
+        .await?;
+        pool.close().await;
+        let ms: Vec<f64> = began
+            .into_iter()
+            .filter_map(|(key, at)| {
+                let i: usize = key.strip_prefix("lat-")?.parse().ok()?;
+                Some(at - intended.get(i)?)
+            })
+            .collect();
+        latency_from("z29c", load, rate, total, &ms)
+    }
+    .await;
+    cluster.stop().await?;
+    result
+}
+
+/// z29c at a 5 s lease: an executor holding `held` steps (their destination call hangs) is
+/// SIGKILLed while a second executor runs; how long until recovery re-claims them, and until
+/// their receipts.
+pub async fn z29c_reclaim(held: usize) -> Result<Reclaim> {
+    let mut cluster = z29c_cluster(held, 1).await?;
+    let result = async {
+        let pool = cluster.db.pool(2).await?;
+        cluster
+            .set_faults(
+                "bench",
+                serde_json::json!({ "ledger_off": true, "delay_ms": 600_000 }),
+            )
+            .await?;
+        let mut request = workflow_named("reclaim", held);
+        for s in &mut request.steps {
+            s.policy = Some(pb::LeasePolicy {
+                lease_ms: 5_000,
+                renew_every_ms: 1_000,
+                attempt_deadline_ms: 120_000,
+                final_grace_ms: 1_000,
+                adapter_timeout_ms: 60_000,
+                max_attempts: 3,
+                ..Default::default()
+            });
+        }
+        cluster.client().await?.submit(request).await?;
+        let until = Instant::now() + Duration::from_secs(30);
+        loop {
+            let began: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM attempts WHERE invocation_began_at IS NOT NULL",
+            )
+            .fetch_one(&pool)
+            .await?;
+            if began as usize >= held {
+                break;
+            }
+            if Instant::now() > until {
+                bail!("only {began} of {held} steps began");
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        cluster
+            .add_executor_with(&[("Z29C_WORKERS", &held.to_string())])
+            .await?;
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        cluster
+            .set_faults("bench", serde_json::json!({ "ledger_off": true }))
+            .await?;
+        let killed_at = chrono::Utc::now();
+        cluster
+            .process("executor-1")
+            .context("executor-1")?
+            .kill()
+            .await?;
+        let start = Instant::now();
+        while receipts(&pool).await? < held && start.elapsed() < Duration::from_secs(120) {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let (reclaimed, completed): (Option<f64>, Option<f64>) = sqlx::query_as(
+            "SELECT (SELECT extract(epoch FROM max(first) - $1)::float8 FROM (
+                        SELECT min(at) AS first FROM step_events
+                        WHERE at > $1 AND kind IN ('recovery_lease_acquired', 'lease_acquired')
+                        GROUP BY step_id) f),
+                    (SELECT extract(epoch FROM max(committed_at) - $1)::float8
+                     FROM step_receipts)",
+        )
+        .bind(killed_at)
+        .fetch_one(&pool)
+        .await?;
+        pool.close().await;
+        Ok(Reclaim {
+            system: "z29c".into(),
+            held,
+            lease_seconds: 5.0,
+            reclaimed_after: reclaimed,
+            completed_after: completed,
+            note: "re-claim = recovery's lease on the step (it fences the dead worker, then \
+                   retries with the same request identity: the adapter is idempotent)"
+                .into(),
+        })
+    }
+    .await;
+    cluster.stop().await?;
+    result
+}
+
+/// `pgbench` at `clients` running a one-row durable update for `seconds`.
+pub async fn pgbench_floor(round: usize, clients: usize, seconds: u64) -> Result<Floor> {
+    let db = TestDatabase::create().await?;
+    let result = async {
+        // libpq's URI, without sqlx's own query parameters
+        let url = db.url().split('?').next().unwrap_or_default().to_owned();
+        let init = tokio::process::Command::new("pgbench")
+            .args(["-i", "-q", "-s", "1", &url])
+            .output()
+            .await
+            .context("pgbench (Debian's postgresql-contrib or postgresql client)")?;
+        if !init.status.success() {
+            bail!("pgbench -i: {}", String::from_utf8_lossy(&init.stderr));
+        }
+        let script = std::env::temp_dir().join(format!("z29c-floor-{}.sql", uuid::Uuid::new_v4()));
+        std::fs::write(
+            &script,
+            "\\set aid random(1, 100000)\nUPDATE pgbench_accounts SET abalance = abalance + 1 WHERE aid = :aid;\n",
+        )?;
+        let out = tokio::process::Command::new("pgbench")
+            .args([
+                "-n",
+                "-c",
+                &clients.to_string(),
+                "-j",
+                &clients.min(2).to_string(),
+                "-T",
+                &seconds.to_string(),
+                "-f",
+                &script.to_string_lossy(),
+                &url,
+            ])
+            .output()
+            .await?;
+        let _ = std::fs::remove_file(&script);
+        let text = String::from_utf8_lossy(&out.stdout);
+        let tps = text
+            .lines()
+            .find_map(|l| l.strip_prefix("tps = "))
+            .and_then(|l| l.split_whitespace().next())
+            .and_then(|v| v.parse::<f64>().ok())
+            .with_context(|| format!("no tps in pgbench's output: {text}"))?;
+        anyhow::Ok(Floor {
+            round,
+            clients,
+            tps,
+        })
+    }
+    .await;
+    db.drop_now().await?;
+    result
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+impl Report {
+    /// Medians over rounds of one system at one concurrency.
+    pub fn drain_median(&self, system: &str, concurrency: usize) -> Option<Drain> {
+        let ds: Vec<&Drain> = self
+            .drains
+            .iter()
+            .filter(|d| d.system == system && d.concurrency == concurrency)
+            .collect();
+        let first = (*ds.first()?).clone();
+        let m = |f: fn(&Drain) -> f64| median(ds.iter().map(|d| f(d)).collect());
+        Some(Drain {
+            steps_per_second: m(|d| d.steps_per_second),
+            commits_per_step: m(|d| d.commits_per_step),
+            wal_bytes_per_step: m(|d| d.wal_bytes_per_step),
+            fsyncs_per_step: m(|d| d.fsyncs_per_step),
+            capped: ds.iter().any(|d| d.capped),
+            processes: ds.iter().flat_map(|d| d.processes.iter().cloned()).fold(
+                Vec::<(String, f64, f64)>::new(),
+                |mut acc, (name, rss, cpu)| {
+                    match acc.iter_mut().find(|p| p.0 == name) {
+                        Some(p) => {
+                            p.1 = p.1.max(rss);
+                            p.2 = p.2.max(cpu);
+                        }
+                        None => acc.push((name, rss, cpu)),
+                    }
+                    acc
+                },
+            ),
+            ..first
+        })
+    }
+
+    pub fn systems(&self) -> Vec<String> {
+        let mut v: Vec<String> = Vec::new();
+        for d in &self.drains {
+            if !v.contains(&d.system) {
+                v.push(d.system.clone());
+            }
+        }
+        v
+    }
+
+    pub fn concurrencies(&self) -> Vec<usize> {
+        let mut cs: Vec<usize> = self.drains.iter().map(|d| d.concurrency).collect();
+        cs.sort_unstable();
+        cs.dedup();
+        cs
+    }
+
+    /// The tables: drains per concurrency and system (medians over rounds) against the floor,
+    /// then latency and re-claim.
+    pub fn table(&self) -> String {
+        let mut out = String::from(
+            "concurrency | system          | steps/s | commits/step | WAL B/step | fsyncs/step | peak RSS MiB (max process) | CPU s per 1k steps (all processes)\n\
+             ------------|-----------------|---------|--------------|------------|-------------|----------------------------|-----------------------------------\n",
+        );
+        for c in self.concurrencies() {
+            for system in self.systems() {
+                let Some(d) = self.drain_median(&system, c) else {
+                    continue;
+                };
+                let rss = d.processes.iter().map(|p| p.1).fold(0.0, f64::max);
+                let cpu: f64 =
+                    d.processes.iter().map(|p| p.2).sum::<f64>() * 1_000.0 / d.steps.max(1) as f64;
+                out.push_str(&format!(
+                    "{c:>11} | {system:<15} | {:>7.0}{} | {:>12.2} | {:>10.0} | {:>11.2} | {rss:>26.1} | {cpu:>6.2}\n",
+                    d.steps_per_second,
+                    if d.capped { "*" } else { "" },
+                    d.commits_per_step,
+                    d.wal_bytes_per_step,
+                    d.fsyncs_per_step,
+                ));
+            }
+            let floor = median(
+                self.floors
+                    .iter()
+                    .filter(|f| f.clients == c)
+                    .map(|f| f.tps)
+                    .collect(),
+            );
+            if let Some(z) = self.drain_median("z29c", c) {
+                let l = floor / z.commits_per_step;
+                out.push_str(&format!(
+                    "{c:>11} | pgbench floor: {floor:.0} TPS · L = floor ÷ z29c commits/step = {l:.0} steps/s · z29c ÷ L = {:.2}\n",
+                    z.steps_per_second / l
+                ));
+            }
+        }
+        out.push_str(&format!(
+            "medians over {} rounds (A B A B: pgbench, z29c, then each peer, per concurrency); * = stopped at the time cap\n",
+            self.floors.iter().map(|f| f.round).max().unwrap_or(0)
+        ));
+        if !self.latencies.is_empty() {
+            out.push_str(
+                "\nschedule-to-start, open loop | load | jobs/s | sent | started | p50 ms | p99 ms | p99.9 ms | max ms\n\
+                 -----------------------------|------|--------|------|---------|--------|--------|----------|-------\n",
+            );
+            for l in &self.latencies {
+                out.push_str(&format!(
+                    "{:<28} | {:>3.0}% | {:>6.0} | {:>4} | {:>7} | {:>6.1} | {:>6.1} | {:>8.1} | {:>6.1}\n",
+                    l.system, l.load * 100.0, l.rate, l.sent, l.started, l.p50_ms, l.p99_ms, l.p999_ms, l.max_ms
+                ));
+            }
+        }
+        if !self.reclaims.is_empty() {
+            out.push_str(
+                "\nworker SIGKILLed holding steps | held | lease/expiry s | re-claimed after s | completed after s\n\
+                 -------------------------------|------|----------------|--------------------|------------------\n",
+            );
+            let s = |v: Option<f64>| v.map_or("never".to_owned(), |v| format!("{v:.2}"));
+            for r in &self.reclaims {
+                out.push_str(&format!(
+                    "{:<30} | {:>4} | {:>14.1} | {:>18} | {:>17}\n",
+                    r.system,
+                    r.held,
+                    r.lease_seconds,
+                    s(r.reclaimed_after),
+                    s(r.completed_after)
+                ));
+            }
+            out.push_str("graphile-worker: no expiry to measure (a crashed worker's locked jobs are freed after 4 hours)\n");
+        }
+        out
+    }
+}

@@ -1,0 +1,346 @@
+//! The Postgres queues z29c is compared with, driven through `tests/peers/peer.mjs`: each
+//! through its own documented API, with no-op jobs, installed by the harness with `npm ci`
+//! from the committed lock file. Every run gets a database of its own.
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::{Context, Result, bail};
+use serde_json::json;
+
+use super::{Counters, Drain, Latency, Reclaim, latency_from, proc_usage};
+use crate::TestDatabase;
+
+/// A peer system.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Peer {
+    GraphileWorker,
+    PgBoss,
+}
+
+impl Peer {
+    pub const ALL: [Peer; 2] = [Peer::GraphileWorker, Peer::PgBoss];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Peer::GraphileWorker => "graphile-worker",
+            Peer::PgBoss => "pg-boss",
+        }
+    }
+
+    /// Jobs of the run's queue not yet finished (graphile-worker deletes a finished job;
+    /// pg-boss marks it completed).
+    async fn unfinished(self, pool: &sqlx::PgPool, jobs: usize) -> Result<i64> {
+        Ok(match self {
+            Peer::GraphileWorker => {
+                sqlx::query_scalar("SELECT count(*) FROM graphile_worker._private_jobs")
+                    .fetch_one(pool)
+                    .await?
+            }
+            Peer::PgBoss => {
+                let done: i64 = sqlx::query_scalar(
+                    "SELECT count(*) FROM pgboss.job WHERE name = 'bench' AND state = 'completed'",
+                )
+                .fetch_one(pool)
+                .await?;
+                jobs as i64 - done
+            }
+        })
+    }
+}
+
+/// The installed peers: `node_modules` under `target/bench/peers`.
+#[derive(Debug, Clone)]
+pub struct Peers {
+    dir: PathBuf,
+    logs: PathBuf,
+}
+
+impl Peers {
+    /// Copies `tests/peers` to `under/peers` and runs `npm ci` there (once per lock file).
+    pub async fn install(under: &Path) -> Result<Self> {
+        let source = Path::new(env!("CARGO_MANIFEST_DIR")).join("peers");
+        let dir = under.join("peers");
+        std::fs::create_dir_all(&dir)?;
+        let lock = std::fs::read(source.join("package-lock.json"))?;
+        let fresh = std::fs::read(dir.join("package-lock.json")).ok().as_ref() != Some(&lock)
+            || !dir.join("node_modules").exists();
+        for f in ["package.json", "package-lock.json", "peer.mjs"] {
+            std::fs::copy(source.join(f), dir.join(f)).with_context(|| format!("copy {f}"))?;
+        }
+        if fresh {
+            let out = tokio::process::Command::new("npm")
+                .args(["ci", "--no-audit", "--no-fund", "--loglevel=error"])
+                .current_dir(&dir)
+                .output()
+                .await
+                .context("npm (Node.js 20 or later; Debian's nodejs and npm)")?;
+            if !out.status.success() {
+                bail!("npm ci: {}", String::from_utf8_lossy(&out.stderr));
+            }
+        }
+        let logs = under.join("logs");
+        std::fs::create_dir_all(&logs)?;
+        Ok(Self { dir, logs })
+    }
+
+    fn command(
+        &self,
+        peer: Peer,
+        mode: &str,
+        args: serde_json::Value,
+    ) -> Result<tokio::process::Command> {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.logs.join(format!("{}.log", peer.name())))?;
+        let mut cmd = tokio::process::Command::new("node");
+        cmd.arg(self.dir.join("peer.mjs"))
+            .args([peer.name(), mode, &args.to_string()])
+            .current_dir(&self.dir)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .kill_on_drop(true);
+        Ok(cmd)
+    }
+
+    async fn run(&self, peer: Peer, mode: &str, args: serde_json::Value) -> Result<()> {
+        let status = self.command(peer, mode, args)?.status().await?;
+        if !status.success() {
+            bail!(
+                "{} {mode} failed ({status}); see {}",
+                peer.name(),
+                self.logs.join(format!("{}.log", peer.name())).display()
+            );
+        }
+        Ok(())
+    }
+
+    fn spawn(
+        &self,
+        peer: Peer,
+        mode: &str,
+        args: serde_json::Value,
+    ) -> Result<tokio::process::Child> {
+        Ok(self.command(peer, mode, args)?.spawn()?)
+    }
+}
+
+/// libpq's form of a test database's URL (no sqlx parameters).
+pub(super) fn libpq_url(db: &TestDatabase) -> String {
+    db.url().split('?').next().unwrap_or_default().to_owned()
+}
+
+async fn stop(mut child: tokio::process::Child) {
+    if let Some(pid) = child.id() {
+        // SIGTERM: each driver stops its worker the documented way
+        let _ = std::process::Command::new("kill")
+            .arg(pid.to_string())
+            .status();
+    }
+    if tokio::time::timeout(Duration::from_secs(10), child.wait())
+        .await
+        .is_err()
+    {
+        let _ = child.kill().await;
+    }
+}
+
+/// Drains `jobs` pre-loaded no-op jobs at `concurrency`, stopping at `cap`.
+pub async fn drain(
+    peers: &Peers,
+    peer: Peer,
+    round: usize,
+    jobs: usize,
+    concurrency: usize,
+    cap: Duration,
+) -> Result<Drain> {
+    let db = TestDatabase::create().await?;
+    let result = async {
+        let url = libpq_url(&db);
+        peers
+            .run(peer, "load", json!({ "url": url, "jobs": jobs }))
+            .await?;
+        let pool = db.pool(2).await?;
+        tokio::time::sleep(Duration::from_millis(1_500)).await;
+        let before = Counters::take(&pool).await?;
+        let start = Instant::now();
+        let worker = peers.spawn(
+            peer,
+            "work",
+            json!({ "url": url, "concurrency": concurrency }),
+        )?;
+        let pid = worker.id().map(|p| p as i32);
+        let mut polls = 0;
+        let mut left;
+        loop {
+            left = peer.unfinished(&pool, jobs).await?;
+            polls += 1;
+            if left <= 0 || start.elapsed() > cap {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let seconds = start.elapsed().as_secs_f64();
+        let usage = pid.and_then(proc_usage);
+        stop(worker).await;
+        tokio::time::sleep(Duration::from_millis(1_500)).await;
+        let after = Counters::take(&pool).await?;
+        pool.close().await;
+        let done = jobs - left.max(0) as usize;
+        Ok(Drain::from_counters(
+            peer.name(),
+            round,
+            concurrency,
+            done,
+            seconds,
+            left > 0,
+            &before,
+            &after,
+            polls + 1,
+            usage
+                .map(|(rss, cpu)| vec![("node worker".to_owned(), rss, cpu)])
+                .unwrap_or_default(),
+        ))
+    }
+    .await;
+    db.drop_now().await?;
+    result
+}
+
+fn epoch_ms() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_secs_f64()
+        * 1_000.0
+}
+
+/// Lines `job start intended` written by `peer.mjs work`.
+fn samples(path: &Path) -> Vec<(String, f64, f64)> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| {
+            let mut it = l.split_whitespace();
+            Some((
+                it.next()?.to_owned(),
+                it.next()?.parse().ok()?,
+                it.next()?.parse().ok()?,
+            ))
+        })
+        .collect()
+}
+
+/// Schedule-to-start latency under an open-loop load of `rate` jobs/s for `seconds`.
+pub async fn latency(
+    peers: &Peers,
+    peer: Peer,
+    concurrency: usize,
+    load: f64,
+    rate: f64,
+    seconds: u64,
+) -> Result<Latency> {
+    let db = TestDatabase::create().await?;
+    let file = peers.logs.join(format!(
+        "{}-latency-{}.txt",
+        peer.name(),
+        uuid::Uuid::new_v4()
+    ));
+    let result = async {
+        let url = libpq_url(&db);
+        peers
+            .run(peer, "load", json!({ "url": url, "jobs": 0 }))
+            .await?;
+        let worker = peers.spawn(
+            peer,
+            "work",
+            json!({ "url": url, "concurrency": concurrency, "samples": file }),
+        )?;
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        peers
+            .run(
+                peer,
+                "produce",
+                json!({ "url": url, "rate": rate, "seconds": seconds }),
+            )
+            .await?;
+        let total = (rate * seconds as f64).round() as usize;
+        let until = Instant::now() + Duration::from_secs(60);
+        while samples(&file).len() < total && Instant::now() < until {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        stop(worker).await;
+        let lat: Vec<f64> = samples(&file)
+            .into_iter()
+            .filter(|s| s.2 >= 0.0)
+            .map(|(_, start, intended)| start - intended)
+            .collect();
+        latency_from(peer.name(), load, rate, total, &lat)
+    }
+    .await;
+    let _ = std::fs::remove_file(&file);
+    db.drop_now().await?;
+    result
+}
+
+/// pg-boss with a 5 s expiry: a worker holding `jobs` jobs is SIGKILLed; how long until a
+/// second worker starts them again, and until they are completed.
+pub async fn reclaim(peers: &Peers, jobs: usize) -> Result<Reclaim> {
+    let peer = Peer::PgBoss;
+    let db = TestDatabase::create().await?;
+    let id = uuid::Uuid::new_v4();
+    let (a, b) = (
+        peers.logs.join(format!("pg-boss-held-{id}.txt")),
+        peers.logs.join(format!("pg-boss-taken-{id}.txt")),
+    );
+    let result = async {
+        let url = libpq_url(&db);
+        let pool = db.pool(2).await?;
+        peers.run(peer, "load", json!({ "url": url, "jobs": jobs })).await?;
+        let mut holder = peers.spawn(
+            peer,
+            "work",
+            json!({ "url": url, "concurrency": jobs, "samples": a, "holdMs": 600_000 }),
+        )?;
+        let until = Instant::now() + Duration::from_secs(30);
+        while samples(&a).len() < jobs {
+            if Instant::now() > until {
+                bail!("pg-boss started {} of {jobs} jobs", samples(&a).len());
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let taker = peers.spawn(peer, "work", json!({ "url": url, "concurrency": jobs, "samples": b }))?;
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        holder.kill().await?;
+        let killed = epoch_ms();
+        let killed_at = Instant::now();
+        let mut completed_after = None;
+        while killed_at.elapsed() < Duration::from_secs(120) {
+            if Peer::PgBoss.unfinished(&pool, jobs).await? <= 0 {
+                completed_after = Some(killed_at.elapsed().as_secs_f64());
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        stop(taker).await;
+        pool.close().await;
+        let restarts: Vec<f64> = samples(&b).iter().map(|s| (s.1 - killed) / 1_000.0).collect();
+        Ok(Reclaim {
+            system: peer.name().into(),
+            held: jobs,
+            lease_seconds: 5.0,
+            reclaimed_after: restarts.iter().copied().fold(None, |m: Option<f64>, v| Some(m.map_or(v, |m| m.max(v)))),
+            completed_after,
+            note: "expiry counts from the job's start (expireInSeconds 5); maintenance checks once a second".into(),
+        })
+    }
+    .await;
+    for f in [&a, &b] {
+        let _ = std::fs::remove_file(f);
+    }
+    db.drop_now().await?;
+    result
+}
