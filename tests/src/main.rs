@@ -50,8 +50,9 @@ enum Command {
         concurrency: Vec<usize>,
         #[arg(long, default_value_t = 3)]
         rounds: usize,
-        /// Systems to run besides pgbench, comma-separated: z29c, graphile-worker, pg-boss.
-        #[arg(long, value_delimiter = ',', default_values_t = ["z29c".to_owned(), "graphile-worker".to_owned(), "pg-boss".to_owned()])]
+        /// Systems to run besides pgbench, comma-separated: z29c, z29c-grouped (group commit
+        /// on), graphile-worker, pg-boss.
+        #[arg(long, value_delimiter = ',', default_values_t = ["z29c".to_owned(), "z29c-grouped".to_owned(), "graphile-worker".to_owned(), "pg-boss".to_owned()])]
         systems: Vec<String>,
         /// Parts to run, comma-separated: drain, latency, reclaim.
         #[arg(long, value_delimiter = ',', default_values_t = ["drain".to_owned(), "latency".to_owned(), "reclaim".to_owned()])]
@@ -217,6 +218,10 @@ async fn main() -> Result<()> {
     Ok(())
 }
 
+fn system_name(grouped: bool) -> &'static str {
+    if grouped { "z29c-grouped" } else { "z29c" }
+}
+
 struct BenchArgs {
     steps: usize,
     concurrency: Vec<usize>,
@@ -238,10 +243,12 @@ async fn bench(a: BenchArgs) -> Result<()> {
     let mut peers_wanted = Vec::new();
     for s in &a.systems {
         match s.as_str() {
-            "z29c" => {}
+            "z29c" | "z29c-grouped" => {}
             "graphile-worker" => peers_wanted.push(Peer::GraphileWorker),
             "pg-boss" => peers_wanted.push(Peer::PgBoss),
-            other => bail!("--systems: unknown system {other:?} (z29c, graphile-worker, pg-boss)"),
+            other => bail!(
+                "--systems: unknown system {other:?} (z29c, z29c-grouped, graphile-worker, pg-boss)"
+            ),
         }
     }
     for p in &a.parts {
@@ -295,8 +302,11 @@ async fn bench(a: BenchArgs) -> Result<()> {
                     f.tps
                 ));
                 report.floors.push(f);
-                if z29c {
-                    let d = bench::z29c_drain(round, a.steps, c, a.cap).await?;
+                for grouped in [false, true] {
+                    if !a.systems.iter().any(|s| s == system_name(grouped)) {
+                        continue;
+                    }
+                    let d = bench::z29c_drain(round, a.steps, c, a.cap, grouped).await?;
                     line(&d);
                     report.drains.push(d);
                 }
@@ -323,7 +333,10 @@ async fn bench(a: BenchArgs) -> Result<()> {
                 };
                 let rate = (drain.steps_per_second * load).max(1.0);
                 let l = match system.as_str() {
-                    "z29c" => bench::z29c_latency(c, load, rate, a.latency_seconds).await?,
+                    "z29c" | "z29c-grouped" => {
+                        let grouped = system == "z29c-grouped";
+                        bench::z29c_latency(grouped, c, load, rate, a.latency_seconds).await?
+                    }
                     other => {
                         let p = if other == "pg-boss" {
                             Peer::PgBoss

@@ -21,6 +21,13 @@ pub struct GatewayConfig {
     pub adapters: Vec<AdapterConfig>,
     /// Where `/metrics` is served (Prometheus), if anywhere.
     pub metrics_listen: Option<SocketAddr>,
+    /// Group commit: permits taken and released by concurrent calls share transactions (a
+    /// group locks the adapter's limit once). Off: one transaction each.
+    pub group_commit: bool,
+    /// Connections committing groups at once.
+    pub committers: usize,
+    /// Most permit writes in one group.
+    pub max_group: usize,
     /// Fault injection (only with the `faults` feature): abort after the destination answered
     /// that it committed, before replying to the executor.
     #[cfg(feature = "faults")]
@@ -38,6 +45,9 @@ impl Default for GatewayConfig {
             prefix: "z29c".into(),
             adapters: vec![AdapterConfig::default()],
             metrics_listen: None,
+            group_commit: false,
+            committers: 1,
+            max_group: 64,
             #[cfg(feature = "faults")]
             fault_crash_after_destination: false,
         }

@@ -12,6 +12,7 @@ use z29c_proto::v1::{
     QueryResponse, invoke_response, query_response,
 };
 use z29c_runtime::status_from_store;
+use z29c_store::batch::GroupCommit;
 use z29c_store::permits::{Permit, PermitRequest};
 use z29c_store::{Store, StoreError};
 
@@ -29,14 +30,20 @@ const PERMIT_RETRY: Duration = Duration::from_millis(200);
 pub struct Gateway {
     config: GatewayConfig,
     store: Store,
+    /// Group commit for permits, when on.
+    commits: Option<GroupCommit>,
     client: reqwest::Client,
 }
 
 impl Gateway {
     pub fn new(config: GatewayConfig, store: Store) -> Self {
+        let commits = config
+            .group_commit
+            .then(|| GroupCommit::start(&store, config.committers, config.max_group));
         Self {
             config,
             store,
+            commits,
             client: reqwest::Client::new(),
         }
     }
@@ -97,7 +104,11 @@ impl Gateway {
         req: &PermitRequest<'_>,
     ) -> Result<Option<Permit>, Status> {
         for _ in 0..2 {
-            match self.store.acquire_permit(req).await {
+            let taken = match &self.commits {
+                Some(g) => g.acquire_permit(req).await,
+                None => self.store.acquire_permit(req).await,
+            };
+            match taken {
                 Ok(p) => return Ok(Some(p)),
                 Err(StoreError::PermitsExhausted { .. }) => return Ok(None),
                 Err(StoreError::NotFound { .. }) => {
@@ -230,7 +241,10 @@ impl AdapterGateway for Gateway {
         )
         .increment(1);
         let permit_result = match release {
-            Some(reason) => self.store.release_permit(permit.id, reason).await,
+            Some(reason) => match &self.commits {
+                Some(g) => g.release_permit(permit.id, reason).await,
+                None => self.store.release_permit(permit.id, reason).await,
+            },
             None => {
                 self.store
                     .hold_permit_unknown(permit.id, Duration::from_millis(adapter.safety_window_ms))

@@ -8,6 +8,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 use z29c_core::{Checkpoint, Deadlines, ExternalReference, Outcome};
 use z29c_proto::v1::{InvokeRequest, invoke_response};
+use z29c_store::batch::GroupCommit;
 use z29c_store::faults::{CrashPoint, crash_if_armed};
 use z29c_store::leases::{ClaimedStep, CommitOutcome, Observed};
 use z29c_store::{Store, StoreError};
@@ -19,6 +20,8 @@ use z29c_bus::gateways::Gateways;
 #[derive(Debug, Clone)]
 pub struct Context {
     pub store: Store,
+    /// Group commit for checkpoints and receipts, when on.
+    pub commits: Option<GroupCommit>,
     pub gateways: Gateways,
     /// Cancelled at shutdown: attempts that have not begun their invocation give the step back.
     pub stop: CancellationToken,
@@ -56,9 +59,17 @@ async fn attempt(ctx: &Context, step: &ClaimedStep) -> Result<(), StoreError> {
     let lease = &step.lease;
     crash_if_armed(CrashPoint::after(Checkpoint::AttemptCreated));
 
-    store
-        .persist_request_identity(lease, &step.request_identity)
-        .await?;
+    match &ctx.commits {
+        Some(g) => {
+            g.persist_request_identity(lease, &step.request_identity)
+                .await?
+        }
+        None => {
+            store
+                .persist_request_identity(lease, &step.request_identity)
+                .await?
+        }
+    };
     crash_if_armed(CrashPoint::after(Checkpoint::RequestIdentityPersisted));
 
     // safe boundary: nothing has been sent yet
@@ -75,7 +86,11 @@ async fn attempt(ctx: &Context, step: &ClaimedStep) -> Result<(), StoreError> {
         tracing::warn!("no time left for a call under this lease; giving the step back");
         return store.release_unbegun(lease).await;
     };
-    let version = match store.begin_invocation(lease).await {
+    let began = match &ctx.commits {
+        Some(g) => g.begin_invocation(lease).await,
+        None => store.begin_invocation(lease).await,
+    };
+    let version = match began {
         Ok(v) => {
             crash_if_armed(CrashPoint::after(Checkpoint::InvocationBegan));
             v
@@ -160,12 +175,12 @@ async fn attempt(ctx: &Context, step: &ClaimedStep) -> Result<(), StoreError> {
         Some(invoke_response::Outcome::Succeeded(s)) => {
             let result = serde_json::from_str(&s.result_json).unwrap_or(Value::Null);
             let o = observed(Outcome::Succeeded, Some(s.external_reference), result);
-            report(store.commit_or_keep_late(lease, &o).await?);
+            report(commit_or_keep_late(ctx, step, &o).await?);
         }
         Some(invoke_response::Outcome::Rejected(r)) => {
             let result = serde_json::json!({ "status": r.status, "reason": r.reason });
             let o = observed(Outcome::Failed, None, result);
-            report(store.commit_or_keep_late(lease, &o).await?);
+            report(commit_or_keep_late(ctx, step, &o).await?);
         }
         Some(invoke_response::Outcome::RateLimited(r)) => {
             store
@@ -184,6 +199,20 @@ async fn attempt(ctx: &Context, step: &ClaimedStep) -> Result<(), StoreError> {
         }
     }
     Ok(())
+}
+
+async fn commit_or_keep_late(
+    ctx: &Context,
+    step: &ClaimedStep,
+    observed: &Observed,
+) -> Result<CommitOutcome, StoreError> {
+    match &ctx.commits {
+        Some(g) => {
+            g.commit_or_keep_late(&ctx.store, step.workflow.as_uuid(), &step.lease, observed)
+                .await
+        }
+        None => ctx.store.commit_or_keep_late(&step.lease, observed).await,
+    }
 }
 
 fn report(outcome: CommitOutcome) {

@@ -17,6 +17,13 @@ pub struct ExecutorConfig {
     pub claim_batch: usize,
     /// PostgreSQL poll interval when no hint arrives.
     pub poll_ms: u64,
+    /// Group commit: the checkpoints and receipts of concurrently running attempts share
+    /// transactions (each fenced on its own, in a savepoint). Off: one transaction each.
+    pub group_commit: bool,
+    /// Connections committing groups at once.
+    pub committers: usize,
+    /// Most writes in one group.
+    pub max_group: usize,
     /// Time given to attempts in flight after a shutdown signal.
     pub shutdown_grace_ms: u64,
     /// Where `/metrics` is served (Prometheus), if anywhere.
@@ -50,6 +57,9 @@ impl Default for ExecutorConfig {
             workers: 16,
             claim_batch: 8,
             poll_ms: 500,
+            group_commit: false,
+            committers: 2,
+            max_group: 64,
             shutdown_grace_ms: 10_000,
             metrics_listen: None,
             health_listen: None,

@@ -81,6 +81,9 @@ pub async fn run(config: ExecutorConfig, shutdown: CancellationToken) -> anyhow:
         );
     }
     let gateways = z29c_bus::gateways::Gateways::new(bus.clone());
+    let commits = config.group_commit.then(|| {
+        z29c_store::batch::GroupCommit::start(&store, config.committers, config.max_group)
+    });
     let wake = Arc::new(Notify::new());
     let hints = tokio::spawn(listen_for_hints(
         bus.clone(),
@@ -111,6 +114,7 @@ pub async fn run(config: ExecutorConfig, shutdown: CancellationToken) -> anyhow:
                         let slot = slots.clone().acquire_owned().await?;
                         let ctx = attempt::Context {
                             store: store.clone(),
+                            commits: commits.clone(),
                             gateways: gateways.clone(),
                             stop: attempts_token.clone(),
                             #[cfg(feature = "faults")]

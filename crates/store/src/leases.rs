@@ -216,18 +216,19 @@ impl Store {
         .bind(owner.as_str())
         .bind(max);
         let before_commit = CrashPoint::before(Checkpoint::AttemptCreated);
-        let rows: Vec<ClaimRow> = if faults::is_armed(before_commit) {
-            // one transaction, so the crash point can sit right before its COMMIT
-            let mut tx = self.pool.begin().await?;
-            let rows = rows.fetch_all(&mut *tx).await?;
-            if !rows.is_empty() {
-                faults::crash_if_armed(before_commit);
-            }
-            tx.commit().await?;
-            rows
-        } else {
-            rows.fetch_all(&self.pool).await?
-        };
+        let mut tx = self.pool.begin().await?;
+        // The ready index, walked in order, is the only plan that stays cheap however many
+        // steps wait: after a burst of submissions the statistics still describe a small
+        // table and the planner would otherwise bitmap-scan and sort every ready step (200 ms
+        // at 20,000 ready steps, against 0.4 ms). One round trip, for this transaction only.
+        sqlx::raw_sql("SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off")
+            .execute(&mut *tx)
+            .await?;
+        let rows = rows.fetch_all(&mut *tx).await?;
+        if !rows.is_empty() {
+            faults::crash_if_armed(before_commit);
+        }
+        tx.commit().await?;
         rows.into_iter().map(ClaimedStep::try_from).collect()
     }
 
@@ -239,37 +240,9 @@ impl Store {
         identity: &RequestIdentity,
     ) -> Result<i64> {
         let mut tx = self.pool.begin().await?;
-        let held = fence::fence(
-            &mut tx,
-            claim,
-            FencedWrite::Advance(Checkpoint::RequestIdentityPersisted),
-        )
-        .await?;
-        if let Some(existing) = &held.request_identity
-            && existing != identity.as_str()
-        {
-            return Err(StoreError::Conflict(format!(
-                "step already has request identity {existing:?}"
-            )));
-        }
-        sqlx::query("UPDATE steps SET request_identity = $2 WHERE id = $1")
-            .bind(claim.step.as_uuid())
-            .bind(identity.as_str())
-            .execute(&mut *tx)
-            .await?;
-        sqlx::query(
-            "UPDATE attempts SET request_identity = $2, checkpoint = 'request_identity_persisted',
-                 updated_at = now()
-             WHERE id = $1",
-        )
-        .bind(claim.attempt.as_uuid())
-        .bind(identity.as_str())
-        .execute(&mut *tx)
-        .await?;
-        checkpoint_event(&mut tx, claim, &held, Checkpoint::RequestIdentityPersisted).await?;
-        faults::crash_if_armed(CrashPoint::before(Checkpoint::RequestIdentityPersisted));
+        let out = persist_request_identity_in(&mut tx, claim, identity).await?;
         tx.commit().await?;
-        Ok(held.checkpoint_version)
+        Ok(out)
     }
 
     /// Checkpoint *invocation began* (fenced), committed before the adapter is called: from
@@ -277,30 +250,9 @@ impl Store {
     /// cancelled step stops. Returns the new checkpoint version.
     pub async fn begin_invocation(&self, claim: &LeaseClaim) -> Result<i64> {
         let mut tx = self.pool.begin().await?;
-        let held = fence::fence(
-            &mut tx,
-            claim,
-            FencedWrite::Advance(Checkpoint::InvocationBegan),
-        )
-        .await?;
-        if held.checkpoint < Some(Checkpoint::RequestIdentityPersisted) {
-            return Err(StoreError::invalid(
-                "checkpoint",
-                "the request identity must be persisted before invocation begins",
-            ));
-        }
-        sqlx::query(
-            "UPDATE attempts SET checkpoint = 'invocation_began', invocation_began_at = now(),
-                 updated_at = now()
-             WHERE id = $1",
-        )
-        .bind(claim.attempt.as_uuid())
-        .execute(&mut *tx)
-        .await?;
-        checkpoint_event(&mut tx, claim, &held, Checkpoint::InvocationBegan).await?;
-        faults::crash_if_armed(CrashPoint::before(Checkpoint::InvocationBegan));
+        let out = begin_invocation_in(&mut tx, claim).await?;
         tx.commit().await?;
-        Ok(held.checkpoint_version)
+        Ok(out)
     }
 
     /// Renews the lease (fenced), carrying the worker's latest checkpoint version. Refused when
@@ -394,64 +346,10 @@ impl Store {
     /// dependents and the outbox event in one fenced transaction. A step that already has its
     /// receipt is [`StoreError::Conflict`]; a stale lease is [`StoreError::Fenced`].
     pub async fn commit_receipt(&self, claim: &LeaseClaim, observed: &Observed) -> Result<Receipt> {
-        check_observed(observed)?;
         let mut tx = self.pool.begin().await?;
-        let held = match fence::fence(
-            &mut tx,
-            claim,
-            FencedWrite::Advance(Checkpoint::ReceiptCommitted),
-        )
-        .await
-        {
-            Ok(held) => held,
-            Err(StoreError::Fenced(reason)) => {
-                if has_receipt(&mut tx, claim.step.as_uuid()).await? {
-                    return Err(StoreError::Conflict("step already has its receipt".into()));
-                }
-                if !faults::receipts_unfenced() {
-                    return Err(StoreError::Fenced(reason));
-                }
-                // the broken build (faults feature only): the lease check is ignored
-                fence::unfenced(&mut tx, claim).await?
-            }
-            Err(e) => return Err(e),
-        };
-        if held.checkpoint < Some(Checkpoint::InvocationBegan) {
-            return Err(StoreError::invalid(
-                "checkpoint",
-                "a receipt needs an invocation that began",
-            ));
-        }
-        check_identity(&held, observed)?;
-        sqlx::query(
-            "UPDATE attempts
-             SET checkpoint = 'receipt_committed', state = $2::text::attempt_state,
-                 response_observed_at = now(), observed_result = $3, adapter_version = $4,
-                 updated_at = now()
-             WHERE id = $1",
-        )
-        .bind(claim.attempt.as_uuid())
-        .bind(observed.outcome.as_str())
-        .bind(&observed.result)
-        .bind(&observed.adapter_version)
-        .execute(&mut *tx)
-        .await?;
-        faults::crash_if_armed(CrashPoint::after(Checkpoint::ResponseObserved));
-        for cp in [Checkpoint::ResponseObserved, Checkpoint::ReceiptCommitted] {
-            checkpoint_event(&mut tx, claim, &held, cp).await?;
-        }
-        let receipt = finish_step(
-            &mut tx,
-            claim,
-            &held,
-            Some(claim.attempt.as_uuid()),
-            observed,
-            Verification::Direct,
-        )
-        .await?;
-        faults::crash_if_armed(CrashPoint::before(Checkpoint::ReceiptCommitted));
+        let out = commit_receipt_in(&mut tx, claim, observed).await?;
         tx.commit().await?;
-        Ok(receipt)
+        Ok(out)
     }
 
     /// Commits the receipt, or, when the lease is no longer current or the step already has
@@ -461,7 +359,19 @@ impl Store {
         claim: &LeaseClaim,
         observed: &Observed,
     ) -> Result<CommitOutcome> {
-        let reason = match self.commit_receipt(claim, observed).await {
+        let committed = self.commit_receipt(claim, observed).await;
+        self.keep_late_unless_committed(claim, observed, committed)
+            .await
+    }
+
+    /// What [`Store::commit_or_keep_late`] does with the result of the receipt's commit.
+    pub(crate) async fn keep_late_unless_committed(
+        &self,
+        claim: &LeaseClaim,
+        observed: &Observed,
+        committed: Result<Receipt>,
+    ) -> Result<CommitOutcome> {
+        let reason = match committed {
             Ok(receipt) => return Ok(CommitOutcome::Committed(receipt)),
             Err(StoreError::Fenced(reason)) => late_reason(&reason),
             Err(StoreError::Conflict(msg)) => json!({ "reason": "receipt_exists", "detail": msg }),
@@ -981,4 +891,145 @@ pub(crate) async fn stop_unstarted_steps(
         .await?;
     }
     Ok(())
+}
+
+/// The statements of [`Store::persist_request_identity`], on the caller's transaction (alone, or a shared
+/// one: [`crate::batch::GroupCommit`]).
+pub(crate) async fn persist_request_identity_in(
+    conn: &mut PgConnection,
+    claim: &LeaseClaim,
+    identity: &RequestIdentity,
+) -> Result<i64> {
+    let held = fence::fence(
+        &mut *conn,
+        claim,
+        FencedWrite::Advance(Checkpoint::RequestIdentityPersisted),
+    )
+    .await?;
+    if let Some(existing) = &held.request_identity
+        && existing != identity.as_str()
+    {
+        return Err(StoreError::Conflict(format!(
+            "step already has request identity {existing:?}"
+        )));
+    }
+    sqlx::query("UPDATE steps SET request_identity = $2 WHERE id = $1")
+        .bind(claim.step.as_uuid())
+        .bind(identity.as_str())
+        .execute(&mut *conn)
+        .await?;
+    sqlx::query(
+        "UPDATE attempts SET request_identity = $2, checkpoint = 'request_identity_persisted',
+             updated_at = now()
+         WHERE id = $1",
+    )
+    .bind(claim.attempt.as_uuid())
+    .bind(identity.as_str())
+    .execute(&mut *conn)
+    .await?;
+    checkpoint_event(
+        &mut *conn,
+        claim,
+        &held,
+        Checkpoint::RequestIdentityPersisted,
+    )
+    .await?;
+    faults::crash_if_armed(CrashPoint::before(Checkpoint::RequestIdentityPersisted));
+    Ok(held.checkpoint_version)
+}
+
+/// The statements of [`Store::begin_invocation`], on the caller's transaction (alone, or a shared
+/// one: [`crate::batch::GroupCommit`]).
+pub(crate) async fn begin_invocation_in(
+    conn: &mut PgConnection,
+    claim: &LeaseClaim,
+) -> Result<i64> {
+    let held = fence::fence(
+        &mut *conn,
+        claim,
+        FencedWrite::Advance(Checkpoint::InvocationBegan),
+    )
+    .await?;
+    if held.checkpoint < Some(Checkpoint::RequestIdentityPersisted) {
+        return Err(StoreError::invalid(
+            "checkpoint",
+            "the request identity must be persisted before invocation begins",
+        ));
+    }
+    sqlx::query(
+        "UPDATE attempts SET checkpoint = 'invocation_began', invocation_began_at = now(),
+             updated_at = now()
+         WHERE id = $1",
+    )
+    .bind(claim.attempt.as_uuid())
+    .execute(&mut *conn)
+    .await?;
+    checkpoint_event(&mut *conn, claim, &held, Checkpoint::InvocationBegan).await?;
+    faults::crash_if_armed(CrashPoint::before(Checkpoint::InvocationBegan));
+    Ok(held.checkpoint_version)
+}
+
+/// The statements of [`Store::commit_receipt`], on the caller's transaction (alone, or a shared
+/// one: [`crate::batch::GroupCommit`]).
+pub(crate) async fn commit_receipt_in(
+    conn: &mut PgConnection,
+    claim: &LeaseClaim,
+    observed: &Observed,
+) -> Result<Receipt> {
+    check_observed(observed)?;
+    let held = match fence::fence(
+        &mut *conn,
+        claim,
+        FencedWrite::Advance(Checkpoint::ReceiptCommitted),
+    )
+    .await
+    {
+        Ok(held) => held,
+        Err(StoreError::Fenced(reason)) => {
+            if has_receipt(&mut *conn, claim.step.as_uuid()).await? {
+                return Err(StoreError::Conflict("step already has its receipt".into()));
+            }
+            if !faults::receipts_unfenced() {
+                return Err(StoreError::Fenced(reason));
+            }
+            // the broken build (faults feature only): the lease check is ignored
+            fence::unfenced(&mut *conn, claim).await?
+        }
+        Err(e) => return Err(e),
+    };
+    if held.checkpoint < Some(Checkpoint::InvocationBegan) {
+        return Err(StoreError::invalid(
+            "checkpoint",
+            "a receipt needs an invocation that began",
+        ));
+    }
+    check_identity(&held, observed)?;
+    sqlx::query(
+        "UPDATE attempts
+         SET checkpoint = 'receipt_committed', state = $2::text::attempt_state,
+             response_observed_at = now(), observed_result = $3, adapter_version = $4,
+             updated_at = now()
+         WHERE id = $1",
+    )
+    .bind(claim.attempt.as_uuid())
+    .bind(observed.outcome.as_str())
+    .bind(&observed.result)
+    .bind(&observed.adapter_version)
+    .execute(&mut *conn)
+    .await?;
+    faults::crash_if_armed(CrashPoint::after(Checkpoint::ResponseObserved));
+    for cp in [Checkpoint::ResponseObserved, Checkpoint::ReceiptCommitted] {
+        checkpoint_event(&mut *conn, claim, &held, cp).await?;
+    }
+    let receipt = finish_step(
+        &mut *conn,
+        claim,
+        &held,
+        Some(claim.attempt.as_uuid()),
+        observed,
+        Verification::Direct,
+    )
+    .await?;
+    faults::crash_if_armed(CrashPoint::before(Checkpoint::ReceiptCommitted));
+    Ok(receipt)
 }

@@ -15,6 +15,7 @@
 //! - [`outbox`]: the transactional outbox (claim, mark sent).
 //! - [`permits`]: adapter concurrency permits; called by the gateway alone.
 
+pub mod batch;
 pub mod error;
 pub mod events;
 pub mod faults;

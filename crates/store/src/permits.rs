@@ -95,61 +95,15 @@ impl Store {
     /// decision, so gateways racing for the last permit cannot both get it.
     pub async fn acquire_permit(&self, req: &PermitRequest<'_>) -> Result<Permit> {
         let mut tx = self.pool.begin().await?;
-        let limit: Option<i32> = sqlx::query_scalar(
-            "SELECT max_in_flight FROM adapter_limits
-             WHERE adapter = $1 AND operation_class = $2 FOR UPDATE",
-        )
-        .bind(req.adapter)
-        .bind(req.operation_class)
-        .fetch_optional(&mut *tx)
-        .await?;
-        let limit = limit.ok_or(StoreError::NotFound {
-            what: "adapter limit",
-        })?;
-        // One statement after the lock: its snapshot is taken once the lock is ours, so it
-        // counts every permit committed before; the lock is held only through it and COMMIT.
-        let permit: Option<Permit> = sqlx::query_as(concat!(
-            "INSERT INTO adapter_permits (id, adapter, operation_class, attempt_id,
-                 request_identity, gateway, expires_at)
-             SELECT $1, $2, $3, $4, $5, $6,
-                 clock_timestamp() + $7::bigint * interval '1 millisecond'
-             WHERE (SELECT count(*) FROM adapter_permits
-                    WHERE adapter = $2 AND operation_class = $3 AND state <> 'released'
-                      AND expires_at > clock_timestamp()) < $8
-             RETURNING ",
-            permit_columns!()
-        ))
-        .bind(Uuid::now_v7())
-        .bind(req.adapter)
-        .bind(req.operation_class)
-        .bind(req.attempt.map(|a| a.as_uuid()))
-        .bind(req.request_identity.as_str())
-        .bind(req.gateway)
-        .bind(millis(req.hold))
-        .bind(i64::from(limit))
-        .fetch_optional(&mut *tx)
-        .await?;
-        let permit = permit.ok_or_else(|| StoreError::PermitsExhausted {
-            adapter: req.adapter.to_owned(),
-            operation_class: req.operation_class.to_owned(),
-            limit,
-        })?;
+        let permit = acquire_permit_in(&mut tx, req).await?;
         tx.commit().await?;
         Ok(permit)
     }
 
     /// Releases a permit on a known outcome (or after resolution). Releasing twice is a no-op.
     pub async fn release_permit(&self, id: Uuid, reason: &str) -> Result<()> {
-        sqlx::query(
-            "UPDATE adapter_permits
-             SET state = 'released', released_at = clock_timestamp(), release_reason = $2
-             WHERE id = $1 AND state <> 'released'",
-        )
-        .bind(id)
-        .bind(reason)
-        .execute(&self.pool)
-        .await?;
-        Ok(())
+        let mut conn = self.pool.acquire().await?;
+        release_permit_in(&mut conn, id, reason).await
     }
 
     /// Keeps a permit counting after an unknown outcome, for at most `safety_window`: the call
@@ -202,4 +156,71 @@ impl Store {
         .fetch_all(&self.pool)
         .await?)
     }
+}
+
+/// The statements of [`Store::acquire_permit`], on the caller's transaction (alone, or a
+/// shared one: [`crate::batch::GroupCommit`]). Within one transaction, a permit taken earlier
+/// counts against a later one.
+pub(crate) async fn acquire_permit_in(
+    conn: &mut sqlx::PgConnection,
+    req: &PermitRequest<'_>,
+) -> Result<Permit> {
+    let limit: Option<i32> = sqlx::query_scalar(
+        "SELECT max_in_flight FROM adapter_limits
+         WHERE adapter = $1 AND operation_class = $2 FOR UPDATE",
+    )
+    .bind(req.adapter)
+    .bind(req.operation_class)
+    .fetch_optional(&mut *conn)
+    .await?;
+    let limit = limit.ok_or(StoreError::NotFound {
+        what: "adapter limit",
+    })?;
+    // One statement after the lock: its snapshot is taken once the lock is ours, so it
+    // counts every permit committed before; the lock is held only through it and COMMIT.
+    let permit: Option<Permit> = sqlx::query_as(concat!(
+        "INSERT INTO adapter_permits (id, adapter, operation_class, attempt_id,
+             request_identity, gateway, expires_at)
+         SELECT $1, $2, $3, $4, $5, $6,
+             clock_timestamp() + $7::bigint * interval '1 millisecond'
+         WHERE (SELECT count(*) FROM adapter_permits
+                WHERE adapter = $2 AND operation_class = $3 AND state <> 'released'
+                  AND expires_at > clock_timestamp()) < $8
+         RETURNING ",
+        permit_columns!()
+    ))
+    .bind(Uuid::now_v7())
+    .bind(req.adapter)
+    .bind(req.operation_class)
+    .bind(req.attempt.map(|a| a.as_uuid()))
+    .bind(req.request_identity.as_str())
+    .bind(req.gateway)
+    .bind(millis(req.hold))
+    .bind(i64::from(limit))
+    .fetch_optional(&mut *conn)
+    .await?;
+    let permit = permit.ok_or_else(|| StoreError::PermitsExhausted {
+        adapter: req.adapter.to_owned(),
+        operation_class: req.operation_class.to_owned(),
+        limit,
+    })?;
+    Ok(permit)
+}
+
+/// The statement of [`Store::release_permit`], on the caller's connection or transaction.
+pub(crate) async fn release_permit_in(
+    conn: &mut sqlx::PgConnection,
+    id: Uuid,
+    reason: &str,
+) -> Result<()> {
+    sqlx::query(
+        "UPDATE adapter_permits
+         SET state = 'released', released_at = clock_timestamp(), release_reason = $2
+         WHERE id = $1 AND state <> 'released'",
+    )
+    .bind(id)
+    .bind(reason)
+    .execute(conn)
+    .await?;
+    Ok(())
 }

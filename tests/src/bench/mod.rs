@@ -219,19 +219,17 @@ pub(crate) fn proc_usage(pid: i32) -> Option<(f64, f64)> {
 }
 
 /// Drains `steps` pre-loaded steps through one executor running `concurrency` attempts.
+///
+/// `grouped`: executor and gateway group-commit their writes (`Z29C_GROUP_COMMIT=true`); the
+/// system is then reported as `z29c-grouped`.
 pub async fn z29c_drain(
     round: usize,
     steps: usize,
     concurrency: usize,
     cap: Duration,
+    grouped: bool,
 ) -> Result<Drain> {
-    let mut cluster = Cluster::start_with(Topology {
-        gateways: 1,
-        executors: 0,
-        permit_limit: 100_000,
-        ..Topology::default()
-    })
-    .await?;
+    let mut cluster = Cluster::start_with(topology(0, grouped)).await?;
     let result = async {
         let pool = cluster.db.pool(2).await?;
         // no-op destination work: the destination answers without its own ledger commit
@@ -280,7 +278,7 @@ pub async fn z29c_drain(
         let after = Counters::take(&pool).await?;
         pool.close().await;
         anyhow::Ok(Drain::from_counters(
-            "z29c",
+            system_name(grouped),
             round,
             concurrency,
             done,
@@ -305,15 +303,23 @@ async fn receipts(pool: &sqlx::PgPool) -> Result<usize> {
 }
 
 /// A cluster whose destination does no-op work, with one executor of `concurrency` workers.
-async fn z29c_cluster(concurrency: usize, recoveries: usize) -> Result<Cluster> {
-    let mut cluster = Cluster::start_with(Topology {
+fn topology(recoveries: usize, grouped: bool) -> Topology {
+    Topology {
         gateways: 1,
         executors: 0,
         recoveries,
         permit_limit: 100_000,
+        env: vec![("Z29C_GROUP_COMMIT".into(), grouped.to_string())],
         ..Topology::default()
-    })
-    .await?;
+    }
+}
+
+fn system_name(grouped: bool) -> &'static str {
+    if grouped { "z29c-grouped" } else { "z29c" }
+}
+
+async fn z29c_cluster(concurrency: usize, recoveries: usize, grouped: bool) -> Result<Cluster> {
+    let mut cluster = Cluster::start_with(topology(recoveries, grouped)).await?;
     cluster
         .set_faults("bench", serde_json::json!({ "ledger_off": true }))
         .await?;
@@ -337,12 +343,13 @@ fn epoch_ms() -> f64 {
 /// z29c's schedule-to-start latency: one-step workflows submitted open-loop at `rate` per
 /// second; latency is from each submission's intended time to its *invocation began*.
 pub async fn z29c_latency(
+    grouped: bool,
     concurrency: usize,
     load: f64,
     rate: f64,
     seconds: u64,
 ) -> Result<Latency> {
-    let cluster = z29c_cluster(concurrency, 0).await?;
+    let cluster = z29c_cluster(concurrency, 0, grouped).await?;
     let result = async {
         let pool = cluster.db.pool(2).await?;
         let client = cluster.client().await?;
@@ -386,7 +393,7 @@ pub async fn z29c_latency(
                 Some(at - intended.get(i)?)
             })
             .collect();
-        latency_from("z29c", load, rate, total, &ms)
+        latency_from(system_name(grouped), load, rate, total, &ms)
     }
     .await;
     cluster.stop().await?;
@@ -397,7 +404,7 @@ pub async fn z29c_latency(
 /// SIGKILLed while a second executor runs; how long until recovery re-claims them, and until
 /// their receipts.
 pub async fn z29c_reclaim(held: usize) -> Result<Reclaim> {
-    let mut cluster = z29c_cluster(held, 1).await?;
+    let mut cluster = z29c_cluster(held, 1, false).await?;
     let result = async {
         let pool = cluster.db.pool(2).await?;
         cluster

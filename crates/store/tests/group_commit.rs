@@ -1,0 +1,189 @@
+//! Group commit on real PostgreSQL: writes of many attempts share transactions, each is still
+//! fenced on its own, a refused one changes nothing while the others commit, and a fan-out's
+//! last receipt still completes its workflow.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use sqlx::PgPool;
+use z29c_core::RequestIdentity;
+use z29c_store::batch::GroupCommit;
+use z29c_store::leases::CommitOutcome;
+use z29c_store::permits::PermitRequest;
+use z29c_store::{MIGRATOR, Store, StoreError};
+
+const STEPS: usize = 40;
+
+#[sqlx::test(migrator = "MIGRATOR")]
+async fn concurrent_attempts_share_commits_and_a_stale_one_writes_nothing(pool: PgPool) {
+    let store = Store::from_pool(pool.clone());
+    let names: Vec<String> = (0..STEPS).map(|i| format!("s{i}")).collect();
+    submit(
+        &store,
+        &workflow("fan", names.iter().map(|n| step(n, &[])).collect()),
+    )
+    .await;
+    let claimed = store.claim(&owner("worker-a"), STEPS as i64).await.unwrap();
+    assert_eq!(claimed.len(), STEPS);
+    // one of them lost its lease to recovery before it wrote anything
+    let stale = claimed[7].clone();
+    let _recovery = take_over(&store, &pool, &stale).await;
+
+    let commits = GroupCommit::start(&store, 2, 16);
+    let commits_before: i64 = sqlx::query_scalar(
+        "SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    let mut tasks = tokio::task::JoinSet::new();
+    for c in claimed {
+        let (store, commits) = (store.clone(), commits.clone());
+        tasks.spawn(async move {
+            let wrote = async {
+                commits
+                    .persist_request_identity(&c.lease, &c.request_identity)
+                    .await?;
+                commits.begin_invocation(&c.lease).await?;
+                commits
+                    .commit_or_keep_late(
+                        &store,
+                        c.workflow.as_uuid(),
+                        &c.lease,
+                        &success(&c, &format!("dest-{}", c.lease.step)),
+                    )
+                    .await
+            }
+            .await;
+            (c.lease.step, wrote)
+        });
+    }
+    let mut committed = 0;
+    while let Some(r) = tasks.join_next().await {
+        let (step, wrote) = r.unwrap();
+        match wrote {
+            Ok(CommitOutcome::Committed(receipt)) => {
+                assert_eq!(receipt.step, step);
+                committed += 1;
+            }
+            Err(StoreError::Fenced(_)) => assert_eq!(step, stale.lease.step, "only the stale one"),
+            other => panic!("{step}: {other:?}"),
+        }
+    }
+    assert_eq!(committed, STEPS - 1);
+    let receipts: i64 = sqlx::query_scalar("SELECT count(*) FROM step_receipts")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(
+        receipts,
+        (STEPS - 1) as i64,
+        "the stale attempt wrote nothing"
+    );
+    let stale_attempt: (Option<String>, Option<String>) =
+        sqlx::query_as("SELECT request_identity, checkpoint::text FROM attempts WHERE id = $1")
+            .bind(stale.lease.attempt.as_uuid())
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        stale_attempt,
+        (None, Some("attempt_created".into())),
+        "its savepoint was rolled back: no identity, no checkpoint past the claim"
+    );
+    // three writes per attempt, far fewer transactions
+    let commits_after: i64 = sqlx::query_scalar(
+        "SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert!(
+        commits_after - commits_before < (3 * STEPS) as i64,
+        "{} commits for {} writes",
+        commits_after - commits_before,
+        3 * STEPS
+    );
+    // the step recovery holds is the only one left unfinished
+    let unfinished: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM steps WHERE state <> 'completed'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(unfinished, 1);
+}
+
+#[sqlx::test(migrator = "MIGRATOR")]
+async fn a_fan_out_completes_its_workflow_through_group_commit(pool: PgPool) {
+    let store = Store::from_pool(pool.clone());
+    let names: Vec<String> = (0..STEPS).map(|i| format!("s{i}")).collect();
+    submit(
+        &store,
+        &workflow("fan", names.iter().map(|n| step(n, &[])).collect()),
+    )
+    .await;
+    let claimed = store.claim(&owner("worker-a"), STEPS as i64).await.unwrap();
+    let commits = GroupCommit::start(&store, 3, 8);
+    let mut tasks = tokio::task::JoinSet::new();
+    for c in claimed {
+        let (store, commits) = (store.clone(), commits.clone());
+        tasks.spawn(async move {
+            commits
+                .persist_request_identity(&c.lease, &c.request_identity)
+                .await?;
+            commits.begin_invocation(&c.lease).await?;
+            commits
+                .commit_or_keep_late(&store, c.workflow.as_uuid(), &c.lease, &success(&c, "d"))
+                .await
+        });
+    }
+    while let Some(r) = tasks.join_next().await {
+        assert!(matches!(r.unwrap(), Ok(CommitOutcome::Committed(_))));
+    }
+    let state: String = sqlx::query_scalar("SELECT state::text FROM workflows")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(state, "completed", "the last receipt saw all its siblings");
+}
+
+#[sqlx::test(migrator = "MIGRATOR")]
+async fn permits_taken_in_one_group_never_exceed_the_limit(pool: PgPool) {
+    let store = Store::from_pool(pool.clone());
+    store.set_permit_limit("http", "deliver", 5).await.unwrap();
+    let commits = GroupCommit::start(&store, 2, 32);
+    let mut tasks = tokio::task::JoinSet::new();
+    for i in 0..30 {
+        let commits = commits.clone();
+        tasks.spawn(async move {
+            let identity = RequestIdentity::parse(format!("req-{i}")).unwrap();
+            commits
+                .acquire_permit(&PermitRequest {
+                    adapter: "http",
+                    operation_class: "deliver",
+                    attempt: None,
+                    request_identity: &identity,
+                    gateway: "gateway-1",
+                    hold: Duration::from_secs(60),
+                })
+                .await
+        });
+    }
+    let (mut granted, mut refused) = (0, 0);
+    while let Some(r) = tasks.join_next().await {
+        match r.unwrap() {
+            Ok(_) => granted += 1,
+            Err(StoreError::PermitsExhausted { limit: 5, .. }) => refused += 1,
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!((granted, refused), (5, 25));
+    let held: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM adapter_permits WHERE state <> 'released'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(held, 5);
+}
