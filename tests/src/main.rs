@@ -54,9 +54,15 @@ enum Command {
         /// on), graphile-worker, pg-boss.
         #[arg(long, value_delimiter = ',', default_values_t = ["z29c".to_owned(), "z29c-grouped".to_owned(), "graphile-worker".to_owned(), "pg-boss".to_owned()])]
         systems: Vec<String>,
-        /// Parts to run, comma-separated: drain, latency, reclaim.
-        #[arg(long, value_delimiter = ',', default_values_t = ["drain".to_owned(), "latency".to_owned(), "reclaim".to_owned()])]
+        /// Parts to run, comma-separated: drain, latency, reclaim, growth, steady.
+        #[arg(long, value_delimiter = ',', default_values_t = ["drain".to_owned(), "latency".to_owned(), "reclaim".to_owned(), "growth".to_owned(), "steady".to_owned()])]
         parts: Vec<String>,
+        /// Steps waiting in the growth runs, comma-separated.
+        #[arg(long, value_delimiter = ',', default_values_t = [10_000usize, 100_000, 1_000_000])]
+        growth: Vec<usize>,
+        /// Length of the steady run.
+        #[arg(long, default_value = "20m", value_parser = humantime::parse_duration)]
+        steady: Duration,
         /// A drain stops here; its rate is what finished by then.
         #[arg(long, default_value = "120s", value_parser = humantime::parse_duration)]
         cap: Duration,
@@ -146,6 +152,8 @@ async fn main() -> Result<()> {
             loads,
             latency_seconds,
             out,
+            growth,
+            steady,
         } => {
             bench(BenchArgs {
                 steps,
@@ -158,6 +166,8 @@ async fn main() -> Result<()> {
                 loads,
                 latency_seconds,
                 out,
+                growth,
+                steady,
             })
             .await?
         }
@@ -233,6 +243,8 @@ struct BenchArgs {
     loads: Vec<f64>,
     latency_seconds: u64,
     out: std::path::PathBuf,
+    growth: Vec<usize>,
+    steady: Duration,
 }
 
 async fn bench(a: BenchArgs) -> Result<()> {
@@ -252,8 +264,8 @@ async fn bench(a: BenchArgs) -> Result<()> {
         }
     }
     for p in &a.parts {
-        if !["drain", "latency", "reclaim"].contains(&p.as_str()) {
-            bail!("--parts: unknown part {p:?} (drain, latency, reclaim)");
+        if !["drain", "latency", "reclaim", "growth", "steady"].contains(&p.as_str()) {
+            bail!("--parts: unknown part {p:?} (drain, latency, reclaim, growth, steady)");
         }
     }
     if let Some(l) = a.loads.iter().find(|l| !(**l > 0.0 && **l <= 1.0)) {
@@ -380,6 +392,22 @@ async fn bench(a: BenchArgs) -> Result<()> {
             ));
             report.reclaims.push(r);
         }
+        save(&report)?;
+    }
+    let c = a.concurrency.iter().copied().max().unwrap_or(8);
+    if part("growth") && z29c {
+        for &waiting in &a.growth {
+            let g = bench::growth::z29c_growth(waiting, c, 5_000, &say).await?;
+            say(&format!(
+                "growth · {} waiting: claim p50 {:.2} ms, p99 {:.2} ms; {:.0} steps/s",
+                g.waiting, g.claim_p50_ms, g.claim_p99_ms, g.steps_per_second
+            ));
+            report.growth.push(g);
+            save(&report)?;
+        }
+    }
+    if part("steady") && z29c {
+        report.steady = Some(bench::growth::z29c_steady(a.steady, c, 3_000, &say).await?);
         save(&report)?;
     }
     say(&report.table());

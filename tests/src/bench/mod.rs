@@ -18,6 +18,7 @@ use z29c_proto::v1 as pb;
 use crate::TestDatabase;
 use crate::cluster::{Cluster, Topology};
 
+pub mod growth;
 pub mod peers;
 pub mod plot;
 
@@ -174,16 +175,18 @@ pub struct Report {
     pub floors: Vec<Floor>,
     pub latencies: Vec<Latency>,
     pub reclaims: Vec<Reclaim>,
+    pub growth: Vec<growth::Growth>,
+    pub steady: Option<growth::Steady>,
 }
 
 /// Steps per submitted workflow: independent, so all are ready at once.
-const STEPS_PER_WORKFLOW: usize = 100;
+pub(crate) const STEPS_PER_WORKFLOW: usize = 100;
 
 fn workflow(i: usize, steps: usize) -> pb::SubmitRequest {
     workflow_named(&format!("bench-{i}"), steps)
 }
 
-fn workflow_named(key: &str, steps: usize) -> pb::SubmitRequest {
+pub(crate) fn workflow_named(key: &str, steps: usize) -> pb::SubmitRequest {
     pb::SubmitRequest {
         client_key: key.to_owned(),
         name: key.to_owned(),
@@ -295,7 +298,7 @@ pub async fn z29c_drain(
     result
 }
 
-async fn receipts(pool: &sqlx::PgPool) -> Result<usize> {
+pub(crate) async fn receipts(pool: &sqlx::PgPool) -> Result<usize> {
     let n: i64 = sqlx::query_scalar("SELECT count(*) FROM step_receipts")
         .fetch_one(pool)
         .await?;
@@ -303,7 +306,7 @@ async fn receipts(pool: &sqlx::PgPool) -> Result<usize> {
 }
 
 /// A cluster whose destination does no-op work, with one executor of `concurrency` workers.
-fn topology(recoveries: usize, grouped: bool) -> Topology {
+pub(crate) fn topology(recoveries: usize, grouped: bool) -> Topology {
     Topology {
         gateways: 1,
         executors: 0,
@@ -669,6 +672,31 @@ impl Report {
                 ));
             }
             out.push_str("graphile-worker: no expiry to measure (a crashed worker's locked jobs are freed after 4 hours)\n");
+        }
+        if !self.growth.is_empty() {
+            out.push_str(
+                "\nz29c, steps waiting | claim p50 ms | claim p99 ms | drain steps/s (after the claims)\n\
+                 --------------------|--------------|--------------|--------------------------------\n",
+            );
+            for g in &self.growth {
+                out.push_str(&format!(
+                    "{:>19} | {:>12.2} | {:>12.2} | {:>6.0} ({} steps)\n",
+                    g.waiting, g.claim_p50_ms, g.claim_p99_ms, g.steps_per_second, g.drained
+                ));
+            }
+        }
+        if let Some(st) = &self.steady {
+            out.push_str(&format!(
+                "\nz29c steady run, concurrency {}: {} minutes; steps/s per minute: {}; last 3 ÷ minutes 2–4 = {:.2}\n",
+                st.concurrency,
+                st.minutes.len(),
+                st.minutes
+                    .iter()
+                    .map(|m| format!("{:.0}", m.steps_per_second))
+                    .collect::<Vec<_>>()
+                    .join(" "),
+                st.last_over_first
+            ));
         }
         out
     }
