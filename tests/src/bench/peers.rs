@@ -61,6 +61,9 @@ impl Peers {
     /// Copies `tests/peers` to `under/peers` and runs `npm ci` there (once per lock file).
     pub async fn install(under: &Path) -> Result<Self> {
         let source = Path::new(env!("CARGO_MANIFEST_DIR")).join("peers");
+        std::fs::create_dir_all(under)?;
+        // node runs in `dir`: every path handed to it must be absolute
+        let under = &std::fs::canonicalize(under)?;
         let dir = under.join("peers");
         std::fs::create_dir_all(&dir)?;
         let lock = std::fs::read(source.join("package-lock.json"))?;
