@@ -8,7 +8,7 @@ use anyhow::{Context, Result};
 use serde::Serialize;
 use z29c_core::OwnerId;
 
-use super::{STEPS_PER_WORKFLOW, receipts, topology, workflow_named};
+use super::{STEPS_PER_WORKFLOW, receipts, topology, workflow_named, z29c_cluster};
 use crate::cluster::Cluster;
 
 /// Steps per template workflow of the growth runs (the scheduler's `max_steps`).
@@ -149,17 +149,8 @@ pub async fn z29c_steady(
     backlog: usize,
     say: &dyn Fn(&str),
 ) -> Result<Steady> {
-    let mut cluster = Cluster::start_with(topology(0, false)).await?;
+    let cluster = z29c_cluster(concurrency, 0, false).await?;
     let result = async {
-        cluster
-            .set_faults("bench", serde_json::json!({ "ledger_off": true }))
-            .await?;
-        cluster
-            .add_executor_with(&[
-                ("Z29C_WORKERS", &concurrency.to_string()),
-                ("Z29C_CLAIM_BATCH", &concurrency.min(64).to_string()),
-            ])
-            .await?;
         let pool = cluster.db.pool(2).await?;
         let mut client = cluster.client().await?;
         let start = Instant::now();
@@ -212,7 +203,12 @@ pub async fn z29c_steady(
         let last3 = &minutes[minutes.len().saturating_sub(3)..];
         Ok(Steady {
             concurrency,
-            last_over_first: mean(last3) / mean(first),
+            // fewer than 4 minutes have no minutes 2–4 to compare with
+            last_over_first: if minutes.len() < 4 {
+                f64::NAN
+            } else {
+                mean(last3) / mean(first)
+            },
             minutes,
         })
     }

@@ -321,7 +321,11 @@ fn system_name(grouped: bool) -> &'static str {
     if grouped { "z29c-grouped" } else { "z29c" }
 }
 
-async fn z29c_cluster(concurrency: usize, recoveries: usize, grouped: bool) -> Result<Cluster> {
+pub(crate) async fn z29c_cluster(
+    concurrency: usize,
+    recoveries: usize,
+    grouped: bool,
+) -> Result<Cluster> {
     let mut cluster = Cluster::start_with(topology(recoveries, grouped)).await?;
     cluster
         .set_faults("bench", serde_json::json!({ "ledger_off": true }))
