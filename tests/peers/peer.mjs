@@ -26,16 +26,30 @@ if (!["graphile-worker", "pg-boss"].includes(system)) fail(`unknown system ${sys
 if (!["load", "work", "produce"].includes(mode)) fail(`unknown mode ${mode}`);
 if (!args.url) fail("missing url");
 
+// One line per started job, buffered and appended to `args.samples` every 100 ms (and at once
+// before a job that holds, so the harness sees it started).
+function recorder() {
+  let buffered = [];
+  const flush = () => {
+    if (buffered.length && args.samples) appendFileSync(args.samples, buffered.join(""));
+    buffered = [];
+  };
+  setInterval(flush, 100).unref();
+  const started = async (id, intended) => {
+    buffered.push(`${id} ${now()} ${intended ?? -1}\n`);
+    if (args.holdMs) {
+      flush();
+      await sleep(args.holdMs);
+    }
+  };
+  return { started, flush };
+}
+
 // ---- graphile-worker ---------------------------------------------------------------------
 async function graphile() {
   const gw = await import("graphile-worker");
   if (mode === "work") {
-    let buffered = [];
-    const flush = () => {
-      if (buffered.length && args.samples) appendFileSync(args.samples, buffered.join(""));
-      buffered = [];
-    };
-    setInterval(flush, 100).unref();
+    const { started, flush } = recorder();
     // graphile-worker logs every job at INFO; the harness wants its stdout quiet
     const logger = new gw.Logger(() => (level, message) => {
       if (level === "error") console.error(message);
@@ -49,13 +63,7 @@ async function graphile() {
       noHandleSignals: true,
       pollInterval: 2000,
       taskList: {
-        [QUEUE]: async (payload, helpers) => {
-          buffered.push(`${helpers.job.id} ${now()} ${payload?.t ?? -1}\n`);
-          if (args.holdMs) {
-            flush();
-            await sleep(args.holdMs);
-          }
-        },
+        [QUEUE]: (payload, helpers) => started(helpers.job.id, payload?.t),
       },
     });
     console.log(JSON.stringify({ event: "working" }));
@@ -100,22 +108,13 @@ async function pgboss() {
   // a 5 s expiry, like z29c's bench lease; one retry brings an expired job back
   await boss.createQueue(QUEUE, { expireInSeconds: 5, retryLimit: 1, retryDelay: 0 });
   if (mode === "work") {
-    let buffered = [];
-    const flush = () => {
-      if (buffered.length && args.samples) appendFileSync(args.samples, buffered.join(""));
-      buffered = [];
-    };
-    setInterval(flush, 100).unref();
+    const { started, flush } = recorder();
     // pg-boss 10 runs one fetch loop per work() call, and a loop waits out its polling interval
     // (0.5 s at least) after each fetch: concurrency C = C loops of one job each
     for (let i = 0; i < args.concurrency; i++) {
-      await boss.work(QUEUE, { batchSize: 1, pollingIntervalSeconds: 0.5 }, async ([job]) => {
-        buffered.push(`${job.id} ${now()} ${job.data?.t ?? -1}\n`);
-        if (args.holdMs) {
-          flush();
-          await sleep(args.holdMs);
-        }
-      });
+      await boss.work(QUEUE, { batchSize: 1, pollingIntervalSeconds: 0.5 }, ([job]) =>
+        started(job.id, job.data?.t),
+      );
     }
     console.log(JSON.stringify({ event: "working" }));
     process.on("SIGTERM", async () => {

@@ -41,44 +41,7 @@ enum Command {
     },
     /// z29c side by side with graphile-worker, pg-boss and pgbench's one-row durable rate:
     /// drain throughput (A B A B), open-loop schedule-to-start latency, re-claim after SIGKILL.
-    Bench {
-        /// Steps (jobs) pre-loaded before each drain.
-        #[arg(long, default_value_t = 20_000)]
-        steps: usize,
-        /// Concurrencies (attempts at once; pgbench clients), comma-separated.
-        #[arg(long, value_delimiter = ',', default_values_t = [8usize, 32])]
-        concurrency: Vec<usize>,
-        #[arg(long, default_value_t = 3)]
-        rounds: usize,
-        /// Systems to run besides pgbench, comma-separated: z29c, z29c-grouped (group commit
-        /// on), graphile-worker, pg-boss.
-        #[arg(long, value_delimiter = ',', default_values_t = ["z29c".to_owned(), "z29c-grouped".to_owned(), "graphile-worker".to_owned(), "pg-boss".to_owned()])]
-        systems: Vec<String>,
-        /// Parts to run, comma-separated: drain, latency, reclaim, growth, steady.
-        #[arg(long, value_delimiter = ',', default_values_t = ["drain".to_owned(), "latency".to_owned(), "reclaim".to_owned(), "growth".to_owned(), "steady".to_owned()])]
-        parts: Vec<String>,
-        /// Steps waiting in the growth runs, comma-separated.
-        #[arg(long, value_delimiter = ',', default_values_t = [10_000usize, 100_000, 1_000_000])]
-        growth: Vec<usize>,
-        /// Length of the steady run.
-        #[arg(long, default_value = "20m", value_parser = humantime::parse_duration)]
-        steady: Duration,
-        /// A drain stops here; its rate is what finished by then.
-        #[arg(long, default_value = "120s", value_parser = humantime::parse_duration)]
-        cap: Duration,
-        /// pgbench run length, seconds.
-        #[arg(long, default_value_t = 10)]
-        floor_seconds: u64,
-        /// Open-loop loads, as fractions of each system's drain rate.
-        #[arg(long, value_delimiter = ',', default_values_t = [0.5f64, 0.8])]
-        loads: Vec<f64>,
-        /// Open-loop run length, seconds.
-        #[arg(long, default_value_t = 20)]
-        latency_seconds: u64,
-        /// Where the JSON report goes; the plot goes beside it (`.svg`).
-        #[arg(long, default_value = "target/bench/bench.json")]
-        out: std::path::PathBuf,
-    },
+    Bench(BenchArgs),
     /// Checks a saved history (`history.json` of a failed cell or soak) again.
     Check {
         history: std::path::PathBuf,
@@ -141,36 +104,7 @@ async fn main() -> Result<()> {
                 std::process::exit(1);
             }
         }
-        Command::Bench {
-            steps,
-            concurrency,
-            rounds,
-            systems,
-            parts,
-            cap,
-            floor_seconds,
-            loads,
-            latency_seconds,
-            out,
-            growth,
-            steady,
-        } => {
-            bench(BenchArgs {
-                steps,
-                concurrency,
-                rounds,
-                systems,
-                parts,
-                cap,
-                floor_seconds,
-                loads,
-                latency_seconds,
-                out,
-                growth,
-                steady,
-            })
-            .await?
-        }
+        Command::Bench(args) => bench(args).await?,
         Command::Check {
             history,
             permit_limit,
@@ -232,19 +166,44 @@ fn system_name(grouped: bool) -> &'static str {
     if grouped { "z29c-grouped" } else { "z29c" }
 }
 
+#[derive(clap::Args)]
 struct BenchArgs {
+    /// Steps (jobs) pre-loaded before each drain.
+    #[arg(long, default_value_t = 20_000)]
     steps: usize,
+    /// Concurrencies (attempts at once; pgbench clients), comma-separated.
+    #[arg(long, value_delimiter = ',', default_values_t = [8usize, 32])]
     concurrency: Vec<usize>,
+    #[arg(long, default_value_t = 3)]
     rounds: usize,
+    /// Systems to run besides pgbench, comma-separated: z29c, z29c-grouped (group commit
+    /// on), graphile-worker, pg-boss.
+    #[arg(long, value_delimiter = ',', default_values_t = ["z29c".to_owned(), "z29c-grouped".to_owned(), "graphile-worker".to_owned(), "pg-boss".to_owned()])]
     systems: Vec<String>,
+    /// Parts to run, comma-separated: drain, latency, reclaim, growth, steady.
+    #[arg(long, value_delimiter = ',', default_values_t = ["drain".to_owned(), "latency".to_owned(), "reclaim".to_owned(), "growth".to_owned(), "steady".to_owned()])]
     parts: Vec<String>,
-    cap: Duration,
-    floor_seconds: u64,
-    loads: Vec<f64>,
-    latency_seconds: u64,
-    out: std::path::PathBuf,
+    /// Steps waiting in the growth runs, comma-separated.
+    #[arg(long, value_delimiter = ',', default_values_t = [10_000usize, 100_000, 1_000_000])]
     growth: Vec<usize>,
+    /// Length of the steady run.
+    #[arg(long, default_value = "20m", value_parser = humantime::parse_duration)]
     steady: Duration,
+    /// A drain stops here; its rate is what finished by then.
+    #[arg(long, default_value = "120s", value_parser = humantime::parse_duration)]
+    cap: Duration,
+    /// pgbench run length, seconds.
+    #[arg(long, default_value_t = 10)]
+    floor_seconds: u64,
+    /// Open-loop loads, as fractions of each system's drain rate.
+    #[arg(long, value_delimiter = ',', default_values_t = [0.5f64, 0.8])]
+    loads: Vec<f64>,
+    /// Open-loop run length, seconds.
+    #[arg(long, default_value_t = 20)]
+    latency_seconds: u64,
+    /// Where the JSON report goes; the plot goes beside it (`.svg`).
+    #[arg(long, default_value = "target/bench/bench.json")]
+    out: std::path::PathBuf,
 }
 
 async fn bench(a: BenchArgs) -> Result<()> {
