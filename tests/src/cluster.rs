@@ -496,10 +496,17 @@ impl Cluster {
         let mut client = self.client().await?;
         let start = Instant::now();
         let mut pending: Vec<String> = ids.to_vec();
+        // what the last look at an unfinished workflow saw, for the error
+        let mut seen = String::new();
         while !pending.is_empty() {
             if start.elapsed() > within {
-                bail!("{} workflows still running after {within:?}", pending.len());
+                bail!(
+                    "{} workflows still running after {within:?}; last seen:\n{seen}{}",
+                    pending.len(),
+                    self.log_warnings()
+                );
             }
+            seen.clear();
             let mut still = Vec::new();
             for id in pending {
                 // a scheduler that lost its database for a moment answers again shortly
@@ -513,6 +520,20 @@ impl Cluster {
                     continue;
                 };
                 let w = w.into_inner();
+                if seen.len() < 4_000 {
+                    for step in &w.steps {
+                        let t = step.technical.clone().unwrap_or_default();
+                        seen.push_str(&format!(
+                            "  {id} {}: {} (lease v{} by {:?}, checkpoint {:?}, {} attempts)\n",
+                            step.name,
+                            t.step_state,
+                            t.lease_version,
+                            t.lease_owner,
+                            t.checkpoint,
+                            t.attempts
+                        ));
+                    }
+                }
                 let ended = matches!(
                     w.state(),
                     pb::ProductState::Completed
@@ -530,6 +551,32 @@ impl Cluster {
             }
         }
         Ok(())
+    }
+
+    /// The last warnings and errors of every process's log, for a failure message.
+    pub fn log_warnings(&self) -> String {
+        let mut out = format!("logs in {}:\n", self.dir.display());
+        let Ok(entries) = std::fs::read_dir(&self.dir) else {
+            return out;
+        };
+        let mut files: Vec<_> = entries.flatten().map(|e| e.path()).collect();
+        files.sort();
+        for path in files
+            .iter()
+            .filter(|p| p.extension().is_some_and(|e| e == "log"))
+        {
+            let text = std::fs::read_to_string(path).unwrap_or_default();
+            let bad: Vec<&str> = text
+                .lines()
+                .filter(|l| l.contains("WARN") || l.contains("ERROR") || l.contains("panicked"))
+                .collect();
+            for line in &bad[bad.len().saturating_sub(3)..] {
+                let name = path.file_name().unwrap_or_default().to_string_lossy();
+                let line: String = line.chars().take(400).collect();
+                out.push_str(&format!("  {name}: {line}\n"));
+            }
+        }
+        out
     }
 
     /// Kills every process, drops the database and the NATS streams.

@@ -27,6 +27,21 @@ fn short(key: &str, route: &str) -> pb::SubmitRequest {
     req
 }
 
+/// A step whose lease outlives a slow machine: the retry's call must not be cut by its own
+/// lease running out (an opaque step would go to review), so only the crash expires a lease.
+fn patient(key: &str, route: &str) -> pb::SubmitRequest {
+    let mut req = chain(key, route, 1);
+    req.steps[0].policy = Some(pb::LeasePolicy {
+        lease_ms: 6_000,
+        renew_every_ms: 1_000,
+        attempt_deadline_ms: 30_000,
+        final_grace_ms: 1_000,
+        adapter_timeout_ms: 5_000,
+        ..Default::default()
+    });
+    req
+}
+
 /// Scrapes `url` until every line in `want` is on it.
 async fn scrape_until(url: &str, want: &[&str]) -> Result<String> {
     let start = Instant::now();
@@ -115,7 +130,7 @@ async fn a_pure_retry_is_a_lease_expiry_without_an_unknown_outcome() -> Result<(
     let wf = cluster
         .client()
         .await?
-        .submit(short("retry", "m"))
+        .submit(patient("retry", "m"))
         .await?
         .into_inner()
         .workflow
