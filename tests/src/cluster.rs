@@ -294,10 +294,12 @@ impl Cluster {
             .filter(|(k, _)| !drop_env.contains(&k.as_str()))
             .cloned()
             .collect();
-        let listen = env
+        // every address it listens on: the service's, and its metrics' if it has one
+        let listen: Vec<u16> = env
             .iter()
-            .find(|(k, _)| k == "Z29C_LISTEN")
-            .and_then(|(_, v)| v.rsplit(':').next()?.parse::<u16>().ok());
+            .filter(|(k, _)| k.ends_with("LISTEN"))
+            .filter_map(|(_, v)| v.rsplit(':').next()?.parse::<u16>().ok())
+            .collect();
         let args_ref: Vec<&str> = args.iter().map(String::as_str).collect();
         let env_ref: Vec<(&str, String)> =
             env.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
@@ -305,8 +307,21 @@ impl Cluster {
         let mut p = self.spawn(&log_name, &args_ref, &env_ref)?;
         p.name = name.to_owned();
         self.processes[i] = p;
-        if let Some(port) = listen {
-            wait_for_port(port).await?;
+        for port in listen {
+            let start = Instant::now();
+            while tokio::net::TcpStream::connect(("127.0.0.1", port))
+                .await
+                .is_err()
+            {
+                // a restart that could not bind its port must say so, not leave a test waiting
+                if self.processes[i].exited() || start.elapsed() > Duration::from_secs(45) {
+                    bail!(
+                        "{name} restarted but does not listen on {port}\n{}",
+                        self.log_warnings()
+                    );
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
         }
         Ok(())
     }
