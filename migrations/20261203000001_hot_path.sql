@@ -7,3 +7,9 @@ CREATE INDEX steps_unfinished ON steps (workflow_id) WHERE state <> 'completed';
 -- Permits and attempts are written several times per step: vacuum them as often as steps.
 ALTER TABLE adapter_permits SET (autovacuum_vacuum_scale_factor = 0.02);
 ALTER TABLE attempts SET (autovacuum_vacuum_scale_factor = 0.05);
+
+-- Room on each page for an update to stay there (a HOT update: no new index entries). A
+-- step's attempt is updated at every checkpoint; an outbox message is claimed by a relay and
+-- then deleted once published, so its pages need room for the claim only.
+ALTER TABLE attempts SET (fillfactor = 70);
+ALTER TABLE outbox SET (fillfactor = 50);

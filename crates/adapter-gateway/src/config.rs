@@ -13,12 +13,19 @@ pub struct GatewayConfig {
     /// This instance's name in the registry and in permits.
     pub id: String,
     pub listen: SocketAddr,
+    /// The gRPC address registered for executors (`http://host:port`); by default the bound
+    /// address, which is right on one host but not behind `0.0.0.0` in a container or pod.
+    pub advertise: Option<String>,
     pub database_url: String,
     pub max_connections: u32,
     pub nats_url: String,
     /// NATS subject/stream prefix shared by one deployment.
     pub prefix: String,
     pub adapters: Vec<AdapterConfig>,
+    /// Calls this instance runs at once, over all adapters; more are answered "rate limited,
+    /// retry shortly" so the executor gives the step back. Adding an instance adds this much
+    /// capacity, up to each adapter's permit limit.
+    pub max_calls: usize,
     /// Where `/metrics` is served (Prometheus), if anywhere.
     pub metrics_listen: Option<SocketAddr>,
     /// Group commit: permits taken and released by concurrent calls share transactions (a
@@ -39,11 +46,13 @@ impl Default for GatewayConfig {
         Self {
             id: "gateway-1".into(),
             listen: "127.0.0.1:50052".parse().expect("literal address"),
+            advertise: None,
             database_url: "postgres://postgres:postgres@127.0.0.1:5432/z29c".into(),
             max_connections: 8,
             nats_url: "nats://127.0.0.1:4222".into(),
             prefix: "z29c".into(),
             adapters: vec![AdapterConfig::default()],
+            max_calls: 256,
             metrics_listen: None,
             group_commit: false,
             committers: 1,

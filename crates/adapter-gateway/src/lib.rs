@@ -62,7 +62,11 @@ pub async fn run(
     let addr = listener.local_addr()?;
     let record = GatewayRecord {
         id: config.id.clone(),
-        endpoint: format!("http://{addr}"),
+        // behind 0.0.0.0 (a container, a pod) executors need the address others reach it by
+        endpoint: config
+            .advertise
+            .clone()
+            .unwrap_or_else(|| format!("http://{addr}")),
         adapters: config
             .adapters
             .iter()

@@ -1,8 +1,10 @@
 //! The `AdapterGateway` gRPC service and the permit discipline around each call.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::Value;
+use tokio::sync::Semaphore;
 use tonic::{Request, Response, Status};
 use tracing::Instrument;
 use z29c_core::{AttemptId, RequestIdentity};
@@ -33,6 +35,10 @@ pub struct Gateway {
     /// Group commit for permits, when on.
     commits: Option<GroupCommit>,
     client: reqwest::Client,
+    /// This instance's own capacity: calls it runs at once (`max_calls`). The adapter's
+    /// permit limit bounds all instances together; this bounds one, so another instance adds
+    /// usable capacity up to that limit.
+    calls: Arc<Semaphore>,
 }
 
 impl Gateway {
@@ -40,11 +46,13 @@ impl Gateway {
         let commits = config
             .group_commit
             .then(|| GroupCommit::start(&store, config.committers, config.max_group));
+        let calls = Arc::new(Semaphore::new(config.max_calls.max(1)));
         Self {
             config,
             store,
             commits,
             client: reqwest::Client::new(),
+            calls,
         }
     }
 
@@ -96,50 +104,11 @@ fn valid_operation(op: &str) -> Result<(), Status> {
 }
 
 impl Gateway {
-    /// A permit for this call, or `None` when the limit is reached. An operation class without
-    /// a configured limit gets the adapter's default on first use.
-    async fn take_permit(
-        &self,
-        adapter: &AdapterConfig,
-        req: &PermitRequest<'_>,
-    ) -> Result<Option<Permit>, Status> {
-        for _ in 0..2 {
-            let taken = match &self.commits {
-                Some(g) => g.acquire_permit(req).await,
-                None => self.store.acquire_permit(req).await,
-            };
-            match taken {
-                Ok(p) => return Ok(Some(p)),
-                Err(StoreError::PermitsExhausted { .. }) => return Ok(None),
-                Err(StoreError::NotFound { .. }) => {
-                    self.store
-                        .set_permit_limit(
-                            &adapter.name,
-                            req.operation_class,
-                            i32::try_from(adapter.default_limit).unwrap_or(i32::MAX),
-                        )
-                        .await
-                        .map_err(status_from_store)?;
-                }
-                Err(e) => return Err(status_from_store(e)),
-            }
-        }
-        Err(Status::internal("adapter limit could not be set"))
-    }
-}
-
-#[tonic::async_trait]
-impl AdapterGateway for Gateway {
-    async fn invoke(
+    /// One invocation: permit, the adapter's call, the permit's release, the answer.
+    async fn call(
         &self,
         request: Request<InvokeRequest>,
     ) -> Result<Response<InvokeResponse>, Status> {
-        let span = tracing::info_span!("gateway.invoke", adapter = %request.get_ref().adapter, trace_id = tracing::field::Empty);
-        z29c_telemetry::trace::set_parent(
-            &span,
-            z29c_telemetry::trace::grpc_traceparent(&request).as_deref(),
-        );
-        async move {
         let timeout = call_timeout(&request);
         let req = request.into_inner();
         let adapter = self.adapter(&req.adapter)?;
@@ -156,6 +125,21 @@ impl AdapterGateway for Gateway {
                     .parse::<AttemptId>()
                     .map_err(|e| Status::invalid_argument(e.to_string()))?,
             )
+        };
+        // a full instance turns the call away before it takes a permit another could use
+        let Ok(_slot) = self.calls.clone().try_acquire_owned() else {
+            z29c_telemetry::metrics::counter!(
+                z29c_telemetry::ATTEMPT_INVOCATIONS,
+                "adapter" => adapter.name.clone(),
+                "result" => "instance_busy"
+            )
+            .increment(1);
+            return Ok(Response::new(InvokeResponse {
+                outcome: Some(invoke_response::Outcome::RateLimited(pb::RateLimited {
+                    retry_after_ms: PERMIT_RETRY.as_millis() as u64,
+                })),
+                adapter_version: adapter.version.clone(),
+            }));
         };
         let permit_req = PermitRequest {
             adapter: &adapter.name,
@@ -259,9 +243,58 @@ impl AdapterGateway for Gateway {
             outcome: Some(answer),
             adapter_version: adapter.version.clone(),
         }))
+    }
+
+    /// A permit for this call, or `None` when the limit is reached. An operation class without
+    /// a configured limit gets the adapter's default on first use.
+    async fn take_permit(
+        &self,
+        adapter: &AdapterConfig,
+        req: &PermitRequest<'_>,
+    ) -> Result<Option<Permit>, Status> {
+        for _ in 0..2 {
+            let taken = match &self.commits {
+                Some(g) => g.acquire_permit(req).await,
+                None => self.store.acquire_permit(req).await,
+            };
+            match taken {
+                Ok(p) => return Ok(Some(p)),
+                Err(StoreError::PermitsExhausted { .. }) => return Ok(None),
+                Err(StoreError::NotFound { .. }) => {
+                    self.store
+                        .set_permit_limit(
+                            &adapter.name,
+                            req.operation_class,
+                            i32::try_from(adapter.default_limit).unwrap_or(i32::MAX),
+                        )
+                        .await
+                        .map_err(status_from_store)?;
+                }
+                Err(e) => return Err(status_from_store(e)),
             }
-        .instrument(span)
-        .await
+        }
+        Err(Status::internal("adapter limit could not be set"))
+    }
+}
+
+#[tonic::async_trait]
+impl AdapterGateway for Gateway {
+    async fn invoke(
+        &self,
+        request: Request<InvokeRequest>,
+    ) -> Result<Response<InvokeResponse>, Status> {
+        let span = tracing::info_span!("gateway.invoke", adapter = %request.get_ref().adapter, trace_id = tracing::field::Empty);
+        z29c_telemetry::trace::set_parent(
+            &span,
+            z29c_telemetry::trace::grpc_traceparent(&request).as_deref(),
+        );
+        // The call runs to its end even if the caller goes away (an executor killed mid-call):
+        // an external call cut off halfway would turn a known outcome into an unknown one and
+        // leave its permit counting until it expires.
+        let this = self.clone();
+        tokio::spawn(async move { this.call(request).await }.instrument(span))
+            .await
+            .map_err(|e| Status::internal(format!("the call's task failed: {e}")))?
     }
 
     async fn query(

@@ -67,6 +67,16 @@ enum Command {
         #[arg(long, env = "Z29C_SERVER", default_value = "http://127.0.0.1:50051")]
         workflow_server: String,
     },
+    /// Exit 0 when a service's gRPC health check answers SERVING (PostgreSQL and NATS
+    /// reachable): a container health check for an image without a shell.
+    Probe {
+        /// The service's gRPC address.
+        #[arg(default_value = "http://127.0.0.1:50051")]
+        addr: String,
+        /// The service name to ask about; empty asks about the whole server.
+        #[arg(long, default_value = "")]
+        service: String,
+    },
     /// Apply the database migrations.
     Migrate {
         #[arg(long, env = "Z29C_DATABASE_URL")]
@@ -162,6 +172,13 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             server,
             workflow_server,
         } => client::review(&server, &workflow_server, command, output).await,
+        Command::Probe { addr, service } => {
+            let status = z29c_runtime::probe(&addr, &service).await?;
+            if status != "SERVING" {
+                anyhow::bail!("{addr}: {status}");
+            }
+            Ok(())
+        }
         Command::Migrate { database_url } => {
             z29c_store::Store::connect(&database_url, 2)
                 .await?

@@ -106,6 +106,24 @@ async fn wait_for_signal() {
 /// The gRPC health protocol (`grpc.health.v1.Health`) for a service: `""` and `service` are
 /// `SERVING` while PostgreSQL answers and NATS is connected, `NOT_SERVING` otherwise
 /// (readiness). Checked every second until `shutdown`, then `NOT_SERVING`.
+/// Asks the gRPC health service at `addr` about `service` ("" for the whole server), within
+/// 3 s, and returns its status by name (`SERVING`, `NOT_SERVING`, ...).
+pub async fn probe(addr: &str, service: &str) -> anyhow::Result<String> {
+    use tonic_health::pb::health_client::HealthClient;
+    let channel = tonic::transport::Endpoint::from_shared(addr.to_owned())?
+        .connect_timeout(std::time::Duration::from_secs(3))
+        .timeout(std::time::Duration::from_secs(3))
+        .connect()
+        .await?;
+    let answer = HealthClient::new(channel)
+        .check(tonic_health::pb::HealthCheckRequest {
+            service: service.to_owned(),
+        })
+        .await?
+        .into_inner();
+    Ok(answer.status().as_str_name().to_owned())
+}
+
 pub fn health_service(
     service: &'static str,
     store: z29c_store::Store,

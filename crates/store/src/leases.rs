@@ -7,7 +7,7 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use serde::Serialize;
 use serde_json::{Value, json};
-use sqlx::PgConnection;
+use sqlx::{FromRow, PgConnection, Row};
 use uuid::Uuid;
 use z29c_core::fence::FencedWrite;
 use z29c_core::{
@@ -637,22 +637,9 @@ async fn has_receipt(conn: &mut PgConnection, step: Uuid) -> Result<bool> {
     )
 }
 
-async fn checkpoint_event(
-    conn: &mut PgConnection,
-    claim: &LeaseClaim,
-    held: &Held,
-    cp: Checkpoint,
-) -> Result<()> {
-    events::append(
-        conn,
-        NewEvent::by(
-            claim,
-            held.workflow,
-            EventKind::Checkpoint,
-            json!({ "checkpoint": cp.as_str(), "checkpoint_version": held.checkpoint_version }),
-        ),
-    )
-    .await
+/// What a checkpoint event records besides its kind.
+fn checkpoint_detail(held: &Held, cp: Checkpoint) -> Value {
+    json!({ "checkpoint": cp.as_str(), "checkpoint_version": held.checkpoint_version })
 }
 
 /// Writes the receipt and everything that follows from it, inside the fenced transaction:
@@ -666,13 +653,42 @@ pub(crate) async fn finish_step(
     verification: Verification,
 ) -> Result<Receipt> {
     let step = claim.step.as_uuid();
-    let row: ReceiptRow = sqlx::query_as(concat!(
-        "INSERT INTO step_receipts (id, step_id, workflow_id, attempt_id, lease_version,
-             input_digest, adapter, adapter_version, request_identity, external_reference,
-             outcome, observed_result, verification)
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11::outcome, $12, $13::verification)
-         RETURNING ",
-        receipt_columns!()
+    let step_state = match observed.outcome {
+        Outcome::Succeeded => "completed",
+        Outcome::Failed => "failed",
+    };
+    // the receipt, the step's end, its `lease_released` event and the `step_completed` message
+    // are one statement; it also says whether the step has dependents to release
+    let row = sqlx::query(concat!(
+        "WITH r AS (
+             INSERT INTO step_receipts (id, step_id, workflow_id, attempt_id, lease_version,
+                 input_digest, adapter, adapter_version, request_identity, external_reference,
+                 outcome, observed_result, verification)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11::outcome, $12,
+                     $13::verification)
+             RETURNING *
+         ), s AS (
+             UPDATE steps
+             SET state = $14::step_state, lease_owner = NULL, leased_at = NULL,
+                 expires_at = NULL, request_identity = coalesce(request_identity, $9),
+                 updated_at = now()
+             WHERE id = $2
+         ), e AS (
+             INSERT INTO step_events (workflow_id, step_id, attempt_id, lease_version, owner,
+                                      kind, detail)
+             SELECT $3, $2, $4, $5, $15, $16,
+                    jsonb_build_object('receipt', r.id, 'verification', $13::text)
+             FROM r
+         ), o AS (
+             INSERT INTO outbox (msg_id, kind, workflow_id, step_id, payload, trace_context)
+             VALUES ($17 || '-' || gen_random_uuid()::text, $17, $3, $2,
+                     jsonb_build_object('outcome', $11::text, 'verification', $13::text),
+                     (SELECT trace_context FROM workflows WHERE id = $3))
+         )
+         SELECT ",
+        receipt_columns!(),
+        ", EXISTS (SELECT 1 FROM step_dependencies WHERE depends_on = $2) AS has_dependents
+         FROM r AS step_receipts"
     ))
     .bind(Uuid::now_v7())
     .bind(step)
@@ -692,55 +708,19 @@ pub(crate) async fn finish_step(
     .bind(observed.outcome.as_str())
     .bind(&observed.result)
     .bind(verification.as_str())
+    .bind(step_state)
+    .bind(claim.owner.as_str())
+    .bind(EventKind::LeaseReleased.as_str())
+    .bind(MessageKind::StepCompleted.as_str())
     .fetch_one(&mut *conn)
     .await?;
-    let receipt = Receipt::try_from(row)?;
-    let step_state = match observed.outcome {
-        Outcome::Succeeded => "completed",
-        Outcome::Failed => "failed",
-    };
-    sqlx::query(
-        "UPDATE steps
-         SET state = $2::step_state, lease_owner = NULL, leased_at = NULL, expires_at = NULL,
-             request_identity = coalesce(request_identity, $3), updated_at = now()
-         WHERE id = $1",
-    )
-    .bind(step)
-    .bind(step_state)
-    .bind(observed.request_identity.as_str())
-    .execute(&mut *conn)
-    .await?;
-    events::append(
-        conn,
-        NewEvent {
-            workflow: held.workflow,
-            step,
-            attempt,
-            lease_version: claim.version.get(),
-            owner: Some(claim.owner.as_str()),
-            kind: EventKind::LeaseReleased,
-            detail: json!({ "receipt": receipt.id, "verification": verification.as_str() }),
-        },
-    )
-    .await?;
-    outbox::enqueue(
-        conn,
-        MessageKind::StepCompleted,
-        held.workflow,
-        Some(step),
-        json!({ "outcome": observed.outcome.as_str(), "verification": verification.as_str() }),
-    )
-    .await?;
+    let has_dependents: bool = row.try_get("has_dependents")?;
+    let receipt = Receipt::try_from(ReceiptRow::from_row(&row)?)?;
     // Serialises the ends of one workflow's steps, so the last one sees all the others. A step
     // without dependents takes it last, so it is held only through this transaction's COMMIT
     // and sibling steps of a fan-out commit one after another, not one whole transaction after
     // another. A step with dependents takes it before it locks their rows, in the order a
     // cancellation takes them (workflow, then steps), so the two cannot deadlock.
-    let has_dependents: bool =
-        sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM step_dependencies WHERE depends_on = $1)")
-            .bind(step)
-            .fetch_one(&mut *conn)
-            .await?;
     let early = match has_dependents {
         true => Some(lock_workflow(conn, held.workflow).await?),
         false => None,
@@ -761,22 +741,33 @@ pub(crate) async fn finish_step(
             end_workflow(conn, held.workflow, WorkflowState::Failed).await?;
             stop_unstarted_steps(conn, held.workflow, "a step failed").await?;
         }
-        Outcome::Succeeded => {
-            // a statement after the lock has a fresh snapshot: every sibling that finished
-            // before us is visible
-            let unfinished: bool = sqlx::query_scalar(
-                "SELECT EXISTS (SELECT 1 FROM steps
-                                WHERE workflow_id = $1 AND state <> 'completed')",
-            )
-            .bind(held.workflow)
-            .fetch_one(&mut *conn)
-            .await?;
-            if !unfinished {
-                end_workflow(conn, held.workflow, WorkflowState::Completed).await?;
-            }
-        }
+        // a statement after the lock has a fresh snapshot: every sibling that finished before
+        // us is visible, so the last one to finish completes the workflow
+        Outcome::Succeeded => complete_if_all_done(conn, held.workflow).await?,
     }
     Ok(receipt)
+}
+
+/// Completes a running workflow whose steps have all completed, with its `workflow_changed`
+/// message, in one statement. The caller holds the workflow's lock.
+async fn complete_if_all_done(conn: &mut PgConnection, workflow: Uuid) -> Result<()> {
+    sqlx::query(
+        "WITH done AS (
+             UPDATE workflows SET state = 'completed', ended_at = now(), updated_at = now()
+             WHERE id = $1 AND state = 'running'
+               AND NOT EXISTS (SELECT 1 FROM steps
+                               WHERE workflow_id = $1 AND state <> 'completed')
+             RETURNING id, trace_context
+         )
+         INSERT INTO outbox (msg_id, kind, workflow_id, step_id, payload, trace_context)
+         SELECT $2 || '-' || gen_random_uuid()::text, $2, id, NULL, $3, trace_context FROM done",
+    )
+    .bind(workflow)
+    .bind(MessageKind::WorkflowChanged.as_str())
+    .bind(json!({ "state": WorkflowState::Completed.as_str() }))
+    .execute(conn)
+    .await?;
+    Ok(())
 }
 
 /// Locks the workflow's row until the transaction ends and returns its state.
@@ -913,26 +904,28 @@ pub(crate) async fn persist_request_identity_in(
             "step already has request identity {existing:?}"
         )));
     }
-    sqlx::query("UPDATE steps SET request_identity = $2 WHERE id = $1")
-        .bind(claim.step.as_uuid())
-        .bind(identity.as_str())
-        .execute(&mut *conn)
-        .await?;
+    // the step's identity, the attempt's checkpoint and its event: one statement
     sqlx::query(
-        "UPDATE attempts SET request_identity = $2, checkpoint = 'request_identity_persisted',
-             updated_at = now()
-         WHERE id = $1",
+        "WITH s AS (UPDATE steps SET request_identity = $2 WHERE id = $1),
+              a AS (UPDATE attempts SET request_identity = $2,
+                        checkpoint = 'request_identity_persisted', updated_at = now()
+                    WHERE id = $3)
+         INSERT INTO step_events (workflow_id, step_id, attempt_id, lease_version, owner, kind,
+                                  detail)
+         VALUES ($4, $1, $3, $5, $6, $7, $8)",
     )
-    .bind(claim.attempt.as_uuid())
+    .bind(claim.step.as_uuid())
     .bind(identity.as_str())
-    .execute(&mut *conn)
-    .await?;
-    checkpoint_event(
-        &mut *conn,
-        claim,
+    .bind(claim.attempt.as_uuid())
+    .bind(held.workflow)
+    .bind(claim.version.get())
+    .bind(claim.owner.as_str())
+    .bind(EventKind::Checkpoint.as_str())
+    .bind(checkpoint_detail(
         &held,
         Checkpoint::RequestIdentityPersisted,
-    )
+    ))
+    .execute(&mut *conn)
     .await?;
     faults::crash_if_armed(CrashPoint::before(Checkpoint::RequestIdentityPersisted));
     Ok(held.checkpoint_version)
@@ -957,14 +950,22 @@ pub(crate) async fn begin_invocation_in(
         ));
     }
     sqlx::query(
-        "UPDATE attempts SET checkpoint = 'invocation_began', invocation_began_at = now(),
-             updated_at = now()
-         WHERE id = $1",
+        "WITH a AS (UPDATE attempts SET checkpoint = 'invocation_began',
+                        invocation_began_at = now(), updated_at = now()
+                    WHERE id = $1)
+         INSERT INTO step_events (workflow_id, step_id, attempt_id, lease_version, owner, kind,
+                                  detail)
+         VALUES ($2, $3, $1, $4, $5, $6, $7)",
     )
     .bind(claim.attempt.as_uuid())
+    .bind(held.workflow)
+    .bind(claim.step.as_uuid())
+    .bind(claim.version.get())
+    .bind(claim.owner.as_str())
+    .bind(EventKind::Checkpoint.as_str())
+    .bind(checkpoint_detail(&held, Checkpoint::InvocationBegan))
     .execute(&mut *conn)
     .await?;
-    checkpoint_event(&mut *conn, claim, &held, Checkpoint::InvocationBegan).await?;
     faults::crash_if_armed(CrashPoint::before(Checkpoint::InvocationBegan));
     Ok(held.checkpoint_version)
 }
@@ -1004,23 +1005,32 @@ pub(crate) async fn commit_receipt_in(
         ));
     }
     check_identity(&held, observed)?;
+    // the response observed (nothing is committed until the receipt is: a crash here leaves
+    // the attempt at `invocation_began`, an unknown outcome)
+    faults::crash_if_armed(CrashPoint::after(Checkpoint::ResponseObserved));
     sqlx::query(
-        "UPDATE attempts
-         SET checkpoint = 'receipt_committed', state = $2::text::attempt_state,
-             response_observed_at = now(), observed_result = $3, adapter_version = $4,
-             updated_at = now()
-         WHERE id = $1",
+        "WITH a AS (UPDATE attempts
+                    SET checkpoint = 'receipt_committed', state = $2::text::attempt_state,
+                        response_observed_at = now(), observed_result = $3,
+                        adapter_version = $4, updated_at = now()
+                    WHERE id = $1)
+         INSERT INTO step_events (workflow_id, step_id, attempt_id, lease_version, owner, kind,
+                                  detail)
+         VALUES ($5, $6, $1, $7, $8, $9, $10), ($5, $6, $1, $7, $8, $9, $11)",
     )
     .bind(claim.attempt.as_uuid())
     .bind(observed.outcome.as_str())
     .bind(&observed.result)
     .bind(&observed.adapter_version)
+    .bind(held.workflow)
+    .bind(claim.step.as_uuid())
+    .bind(claim.version.get())
+    .bind(claim.owner.as_str())
+    .bind(EventKind::Checkpoint.as_str())
+    .bind(checkpoint_detail(&held, Checkpoint::ResponseObserved))
+    .bind(checkpoint_detail(&held, Checkpoint::ReceiptCommitted))
     .execute(&mut *conn)
     .await?;
-    faults::crash_if_armed(CrashPoint::after(Checkpoint::ResponseObserved));
-    for cp in [Checkpoint::ResponseObserved, Checkpoint::ReceiptCommitted] {
-        checkpoint_event(&mut *conn, claim, &held, cp).await?;
-    }
     let receipt = finish_step(
         &mut *conn,
         claim,

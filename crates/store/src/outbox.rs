@@ -102,10 +102,12 @@ impl Store {
         })?)
     }
 
-    /// Marks messages as published. Returns how many were newly marked.
+    /// Marks messages as published by deleting them: a published message is JetStream's now,
+    /// and a row kept would only be another tuple for every index and for vacuum. Returns how
+    /// many were newly marked.
     pub async fn mark_outbox_sent(&self, ids: &[i64]) -> Result<u64> {
         Ok(
-            sqlx::query("UPDATE outbox SET sent_at = now() WHERE id = ANY($1) AND sent_at IS NULL")
+            sqlx::query("DELETE FROM outbox WHERE id = ANY($1) AND sent_at IS NULL")
                 .bind(ids)
                 .execute(&self.pool)
                 .await?
