@@ -48,12 +48,31 @@ async fn db_now(pool: &PgPool) -> Result<DateTime<Utc>> {
     Ok(sqlx::query_scalar("SELECT now()").fetch_one(pool).await?)
 }
 
+/// Waits until `n` steps have completed: faults are placed by progress, not by the clock, so
+/// a slow machine moves them along with the work.
+async fn completed_at_least(pool: &PgPool, n: i64) -> Result<()> {
+    let start = std::time::Instant::now();
+    loop {
+        let done: i64 = sqlx::query_scalar("SELECT count(*) FROM steps WHERE state = 'completed'")
+            .fetch_one(pool)
+            .await?;
+        if done >= n {
+            return Ok(());
+        }
+        anyhow::ensure!(
+            start.elapsed() < Duration::from_secs(300),
+            "only {done} of {n} steps completed after 300 s"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_thousand_workflows_survive_kills_and_a_new_gateway_adds_capacity() -> Result<()> {
     let per_gateway = PER_GATEWAY.to_string();
     let mut cluster = Cluster::start_with(Topology {
         gateways: 0,
-        executors: 3,
+        executors: 0,
         recoveries: 2,
         permit_limit: LIMIT as u32,
         ..Topology::default()
@@ -68,6 +87,7 @@ async fn two_thousand_workflows_survive_kills_and_a_new_gateway_adds_capacity() 
         .await?;
     let pool = cluster.db.pool(2).await?;
 
+    // the whole load waits in PostgreSQL before the executors start
     let mut client = cluster.client().await?;
     let mut ids = Vec::with_capacity(WORKFLOWS);
     for i in 0..WORKFLOWS {
@@ -78,22 +98,23 @@ async fn two_thousand_workflows_survive_kills_and_a_new_gateway_adds_capacity() 
             .workflow
             .expect("workflow");
         ids.push(w.id);
-        // an executor and a recovery instance die mid-run and come back
-        let victim = match i {
-            400 => "executor-1",
-            800 => "recovery-1",
-            _ => continue,
-        };
+    }
+    for _ in 0..3 {
+        cluster.add_executor().await?;
+    }
+    let two_from = db_now(&pool).await?;
+    // an executor and a recovery instance die mid-run and come back
+    for (done, victim) in [(300, "executor-1"), (500, "recovery-1")] {
+        completed_at_least(&pool, done).await?;
         cluster.process(victim).expect("started").kill().await?;
         cluster.restart(victim, &[]).await?;
     }
-    // two gateways at their capacity for a while, then a third joins
-    let two_from = db_now(&pool).await?;
-    tokio::time::sleep(Duration::from_secs(4)).await;
+    // two gateways at their capacity so far; then a third joins
+    completed_at_least(&pool, 700).await?;
     let joined = db_now(&pool).await?;
     cluster.add_gateway_with(LIMIT as u32, &gateway).await?;
-    tokio::time::sleep(Duration::from_secs(4)).await;
-    // then a gateway dies mid-call and comes back
+    // then, with three serving, a gateway dies mid-call and comes back
+    completed_at_least(&pool, 1_100).await?;
     let killed = db_now(&pool).await?;
     cluster
         .process("gateway-1")
