@@ -14,32 +14,43 @@ fn free_port() -> Result<u16> {
         .port())
 }
 
-fn short(key: &str, route: &str) -> pb::SubmitRequest {
+fn one_step(key: &str, route: &str, policy: pb::LeasePolicy) -> pb::SubmitRequest {
     let mut req = chain(key, route, 1);
-    req.steps[0].policy = Some(pb::LeasePolicy {
-        lease_ms: 1_500,
-        renew_every_ms: 500,
-        attempt_deadline_ms: 10_000,
-        final_grace_ms: 500,
-        adapter_timeout_ms: 800,
-        ..Default::default()
-    });
+    req.steps[0].policy = Some(policy);
     req
+}
+
+/// A step whose lease runs out quickly, so a stalled worker is stale within seconds.
+fn short(key: &str, route: &str) -> pb::SubmitRequest {
+    one_step(
+        key,
+        route,
+        pb::LeasePolicy {
+            lease_ms: 1_500,
+            renew_every_ms: 500,
+            attempt_deadline_ms: 10_000,
+            final_grace_ms: 500,
+            adapter_timeout_ms: 800,
+            ..Default::default()
+        },
+    )
 }
 
 /// A step whose lease outlives a slow machine: the retry's call must not be cut by its own
 /// lease running out (an opaque step would go to review), so only the crash expires a lease.
 fn patient(key: &str, route: &str) -> pb::SubmitRequest {
-    let mut req = chain(key, route, 1);
-    req.steps[0].policy = Some(pb::LeasePolicy {
-        lease_ms: 6_000,
-        renew_every_ms: 1_000,
-        attempt_deadline_ms: 30_000,
-        final_grace_ms: 1_000,
-        adapter_timeout_ms: 5_000,
-        ..Default::default()
-    });
-    req
+    one_step(
+        key,
+        route,
+        pb::LeasePolicy {
+            lease_ms: 6_000,
+            renew_every_ms: 1_000,
+            attempt_deadline_ms: 30_000,
+            final_grace_ms: 1_000,
+            adapter_timeout_ms: 5_000,
+            ..Default::default()
+        },
+    )
 }
 
 /// Scrapes `url` until every line in `want` is on it.

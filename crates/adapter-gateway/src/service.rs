@@ -88,6 +88,23 @@ fn call_timeout<T>(req: &Request<T>) -> Duration {
     d.saturating_sub(Duration::from_millis(50).min(d / 10))
 }
 
+/// The answer to a call turned away before it took a permit (this instance full, or the
+/// adapter's limit reached): "rate limited, retry shortly", counted under `result`.
+fn turned_away(adapter: &AdapterConfig, result: &'static str) -> Response<InvokeResponse> {
+    z29c_telemetry::metrics::counter!(
+        z29c_telemetry::ATTEMPT_INVOCATIONS,
+        "adapter" => adapter.name.clone(),
+        "result" => result
+    )
+    .increment(1);
+    Response::new(InvokeResponse {
+        outcome: Some(invoke_response::Outcome::RateLimited(pb::RateLimited {
+            retry_after_ms: PERMIT_RETRY.as_millis() as u64,
+        })),
+        adapter_version: adapter.version.clone(),
+    })
+}
+
 fn valid_operation(op: &str) -> Result<(), Status> {
     let ok = !op.is_empty()
         && op.len() <= 100
@@ -128,18 +145,7 @@ impl Gateway {
         };
         // a full instance turns the call away before it takes a permit another could use
         let Ok(_slot) = self.calls.clone().try_acquire_owned() else {
-            z29c_telemetry::metrics::counter!(
-                z29c_telemetry::ATTEMPT_INVOCATIONS,
-                "adapter" => adapter.name.clone(),
-                "result" => "instance_busy"
-            )
-            .increment(1);
-            return Ok(Response::new(InvokeResponse {
-                outcome: Some(invoke_response::Outcome::RateLimited(pb::RateLimited {
-                    retry_after_ms: PERMIT_RETRY.as_millis() as u64,
-                })),
-                adapter_version: adapter.version.clone(),
-            }));
+            return Ok(turned_away(adapter, "instance_busy"));
         };
         let permit_req = PermitRequest {
             adapter: &adapter.name,
@@ -150,18 +156,7 @@ impl Gateway {
             hold: Duration::from_millis(adapter.permit_hold_ms),
         };
         let Some(permit) = self.take_permit(adapter, &permit_req).await? else {
-            z29c_telemetry::metrics::counter!(
-                z29c_telemetry::ATTEMPT_INVOCATIONS,
-                "adapter" => adapter.name.clone(),
-                "result" => "no_permit"
-            )
-            .increment(1);
-            return Ok(Response::new(InvokeResponse {
-                outcome: Some(invoke_response::Outcome::RateLimited(pb::RateLimited {
-                    retry_after_ms: PERMIT_RETRY.as_millis() as u64,
-                })),
-                adapter_version: adapter.version.clone(),
-            }));
+            return Ok(turned_away(adapter, "no_permit"));
         };
 
         let outcome = http::invoke(
