@@ -10,7 +10,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "z29c/v1/envelopes.proto",
     ];
     let fds = protox::compile(files, [&root])?;
-    tonic_prost_build::configure().compile_fds(fds)?;
+    // decode failures are the caller's mistake: INVALID_ARGUMENT, not INTERNAL (see codec.rs)
+    tonic_prost_build::configure()
+        .codec_path("crate::codec::Z29cCodec")
+        .compile_fds(fds)?;
     println!("cargo:rerun-if-changed={}", root.display());
     Ok(())
 }

@@ -15,7 +15,9 @@
 //! - [`recovery`]: `classify()`, the recovery table of DESIGN.md §6.
 //! - [`projection`]: `project()`, durable state to the product states people see.
 //! - [`dag`]: validation of a submitted workflow's step graph.
+//! - [`access`]: operator roles and which actions each allows.
 
+pub mod access;
 pub mod capability;
 pub mod checkpoint;
 pub mod dag;
@@ -27,6 +29,7 @@ pub mod recovery;
 pub mod state;
 mod text_enum;
 
+pub use access::{Action, Role};
 pub use capability::AdapterCapability;
 pub use checkpoint::Checkpoint;
 pub use dag::DagError;

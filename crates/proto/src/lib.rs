@@ -3,6 +3,8 @@
 
 #![allow(missing_debug_implementations, unreachable_pub, clippy::all)]
 
+pub mod codec;
+
 /// Version 1 of the z29c protocol.
 pub mod v1 {
     tonic::include_proto!("z29c.v1");
