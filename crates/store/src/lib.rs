@@ -14,7 +14,9 @@
 //! - [`events`]: the step event history (lease history, checkpoints).
 //! - [`outbox`]: the transactional outbox (claim, mark sent).
 //! - [`permits`]: adapter concurrency permits; called by the gateway alone.
+//! - [`audit`]: the public services' audit log and refused (poison) NATS messages.
 
+pub mod audit;
 pub mod batch;
 pub mod error;
 pub mod events;
