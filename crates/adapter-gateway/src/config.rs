@@ -35,6 +35,12 @@ pub struct GatewayConfig {
     pub committers: usize,
     /// Most permit writes in one group.
     pub max_group: usize,
+    /// Mutual TLS: executors and recovery must present a certificate from `tls.ca_file`.
+    pub tls: z29c_security::TlsConfig,
+    /// Deadline cap and per-connection limits of the gRPC server.
+    pub grpc: z29c_runtime::ServerLimits,
+    /// Largest request accepted (an invocation's input included).
+    pub max_request_bytes: usize,
     /// Fault injection (only with the `faults` feature): abort after the destination answered
     /// that it committed, before replying to the executor.
     #[cfg(feature = "faults")]
@@ -57,6 +63,12 @@ impl Default for GatewayConfig {
             group_commit: false,
             committers: 1,
             max_group: 64,
+            tls: Default::default(),
+            grpc: z29c_runtime::ServerLimits {
+                max_deadline_ms: 60_000,
+                ..Default::default()
+            },
+            max_request_bytes: 1024 * 1024,
             #[cfg(feature = "faults")]
             fault_crash_after_destination: false,
         }

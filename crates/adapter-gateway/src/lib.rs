@@ -63,10 +63,14 @@ pub async fn run(
     let record = GatewayRecord {
         id: config.id.clone(),
         // behind 0.0.0.0 (a container, a pod) executors need the address others reach it by
-        endpoint: config
-            .advertise
-            .clone()
-            .unwrap_or_else(|| format!("http://{addr}")),
+        endpoint: config.advertise.clone().unwrap_or_else(|| {
+            let scheme = if config.tls.enabled().unwrap_or(false) {
+                "https"
+            } else {
+                "http"
+            };
+            format!("{scheme}://{addr}")
+        }),
         adapters: config
             .adapters
             .iter()
@@ -113,10 +117,11 @@ pub async fn run(
         let _ = ready.send(Started { addr });
     }
     let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
-    tonic::transport::Server::builder()
-        .timeout(Duration::from_secs(60))
+    z29c_runtime::server::builder(&config.tls, &config.grpc)?
         .add_service(health)
-        .add_service(AdapterGatewayServer::new(service))
+        .add_service(
+            AdapterGatewayServer::new(service).max_decoding_message_size(config.max_request_bytes),
+        )
         .serve_with_incoming_shutdown(incoming, shutdown.cancelled())
         .await?;
     registration.abort();

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use crate::{Bus, GatewayRecord};
 use tokio::sync::Mutex;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 use z29c_core::AdapterCapability;
 use z29c_proto::v1::adapter_gateway_client::AdapterGatewayClient;
 
@@ -17,6 +17,8 @@ const REFRESH: Duration = Duration::from_secs(2);
 #[derive(Debug, Clone)]
 pub struct Gateways {
     bus: Bus,
+    /// Client certificate and CA for the gateways' mutual TLS (none: plaintext).
+    tls: z29c_security::TlsConfig,
     inner: Arc<Mutex<Cache>>,
     next: Arc<AtomicUsize>,
 }
@@ -37,9 +39,10 @@ pub struct Chosen {
 }
 
 impl Gateways {
-    pub fn new(bus: Bus) -> Self {
+    pub fn new(bus: Bus, tls: z29c_security::TlsConfig) -> Self {
         Self {
             bus,
+            tls,
             inner: Arc::default(),
             next: Arc::default(),
         }
@@ -75,10 +78,15 @@ impl Gateways {
         let channel = match cache.channels.get(&endpoint) {
             Some(c) => c.clone(),
             None => {
-                let c = Endpoint::from_shared(endpoint.clone())
-                    .ok()?
-                    .connect_timeout(Duration::from_secs(2))
-                    .connect_lazy();
+                let c = match self.tls.endpoint(&endpoint) {
+                    Ok(e) => e,
+                    Err(e) => {
+                        tracing::warn!(%endpoint, error = %e, "gateway endpoint unusable");
+                        return None;
+                    }
+                }
+                .connect_timeout(Duration::from_secs(2))
+                .connect_lazy();
                 cache.channels.insert(endpoint, c.clone());
                 c
             }

@@ -10,6 +10,7 @@ use anyhow::Context;
 use serde_json::{Value, json};
 use z29c_proto::v1::workflow_service_client::WorkflowServiceClient;
 use z29c_proto::v1::{self as pb, ProductState};
+use z29c_security::{Authed, Bearer, TlsConfig};
 
 use crate::workflow_file;
 
@@ -37,6 +38,47 @@ pub(crate) enum Exit {
     Unavailable = 4,
 }
 
+/// How the client reaches the services: an operator token and, with mutual TLS, a client
+/// certificate. Flags or the same `Z29C_…` variables the services read.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub(crate) struct Access {
+    /// Operator token (JWT) sent as `authorization: Bearer …`.
+    #[arg(long, global = true, env = "Z29C_TOKEN", hide_env_values = true)]
+    token: Option<String>,
+    /// CA certificate (PEM) the services' certificates are signed by.
+    #[arg(long, global = true, env = "Z29C_TLS__CA_FILE")]
+    tls_ca_file: Option<std::path::PathBuf>,
+    /// This client's certificate (PEM), for services that require one.
+    #[arg(long, global = true, env = "Z29C_TLS__CERT_FILE")]
+    tls_cert_file: Option<std::path::PathBuf>,
+    #[arg(long, global = true, env = "Z29C_TLS__KEY_FILE")]
+    tls_key_file: Option<std::path::PathBuf>,
+}
+
+impl Access {
+    pub(crate) fn new(token: Option<String>, tls: &TlsConfig) -> Self {
+        Self {
+            token,
+            tls_ca_file: tls.ca_file.clone(),
+            tls_cert_file: tls.cert_file.clone(),
+            tls_key_file: tls.key_file.clone(),
+        }
+    }
+
+    pub(crate) fn tls(&self) -> TlsConfig {
+        TlsConfig {
+            ca_file: self.tls_ca_file.clone(),
+            cert_file: self.tls_cert_file.clone(),
+            key_file: self.tls_key_file.clone(),
+            server_name: None,
+        }
+    }
+
+    pub(crate) fn bearer(&self) -> anyhow::Result<Bearer> {
+        Bearer::new(self.token.as_deref()).map_err(|e| e.context(Exit::BadInput))
+    }
+}
+
 /// Maps a gRPC refusal to an exit code, keeping the server's reason.
 fn refused(what: &str, s: tonic::Status) -> anyhow::Error {
     use tonic::Code;
@@ -45,7 +87,9 @@ fn refused(what: &str, s: tonic::Status) -> anyhow::Error {
         | Code::NotFound
         | Code::FailedPrecondition
         | Code::AlreadyExists
-        | Code::OutOfRange => Exit::BadInput,
+        | Code::OutOfRange
+        | Code::Unauthenticated
+        | Code::PermissionDenied => Exit::BadInput,
         _ => Exit::Unavailable,
     };
     anyhow::Error::new(exit).context(format!("{what} ({:?}): {}", s.code(), s.message()))
@@ -60,19 +104,25 @@ fn end_code(state: ProductState) -> Option<Exit> {
     }
 }
 
-async fn connect(server: &str) -> anyhow::Result<WorkflowServiceClient<tonic::transport::Channel>> {
-    WorkflowServiceClient::connect(server.to_owned())
-        .await
-        .map_err(|e| {
-            anyhow::Error::new(Exit::Unavailable)
-                .context(format!("cannot reach the scheduler at {server}: {e}"))
-        })
+pub(crate) async fn connect(
+    server: &str,
+    access: &Access,
+) -> anyhow::Result<WorkflowServiceClient<Authed>> {
+    let endpoint = access
+        .tls()
+        .endpoint(server)
+        .map_err(|e| e.context(Exit::BadInput))?;
+    let channel = endpoint.connect().await.map_err(|e| {
+        anyhow::Error::new(Exit::Unavailable)
+            .context(format!("cannot reach the scheduler at {server}: {e}"))
+    })?;
+    Ok(WorkflowServiceClient::with_interceptor(
+        channel,
+        access.bearer()?,
+    ))
 }
 
-async fn get(
-    client: &mut WorkflowServiceClient<tonic::transport::Channel>,
-    id: &str,
-) -> anyhow::Result<pb::Workflow> {
+async fn get(client: &mut WorkflowServiceClient<Authed>, id: &str) -> anyhow::Result<pb::Workflow> {
     Ok(client
         .get(pb::GetRequest {
             workflow_id: id.to_owned(),
@@ -87,11 +137,12 @@ pub(crate) async fn submit(
     file: &Path,
     watch: bool,
     output: Output,
+    access: &Access,
 ) -> anyhow::Result<()> {
     let req = workflow_file::read(file)
         .and_then(|f| f.into_request())
         .map_err(|e| e.context(Exit::BadInput))?;
-    let mut client = connect(server).await?;
+    let mut client = connect(server, access).await?;
     let resp = client
         .submit(req)
         .await
@@ -132,8 +183,9 @@ pub(crate) async fn status(
     id: &str,
     watch: bool,
     output: Output,
+    access: &Access,
 ) -> anyhow::Result<()> {
-    let mut client = connect(server).await?;
+    let mut client = connect(server, access).await?;
     if watch {
         return follow(&mut client, id, output).await;
     }
@@ -147,7 +199,7 @@ pub(crate) async fn status(
 
 /// Follows a workflow to its end, prints it, and turns its end into the exit code.
 async fn follow(
-    client: &mut WorkflowServiceClient<tonic::transport::Channel>,
+    client: &mut WorkflowServiceClient<Authed>,
     id: &str,
     output: Output,
 ) -> anyhow::Result<()> {
@@ -177,7 +229,7 @@ async fn follow(
 /// Prints each user-facing change until the workflow ends; returns its final state. With more
 /// than a few steps, text output is a progress bar of ended steps instead of a line per change.
 pub(crate) async fn watch_until_done(
-    client: &mut WorkflowServiceClient<tonic::transport::Channel>,
+    client: &mut WorkflowServiceClient<Authed>,
     id: &str,
     output: Output,
     total_steps: usize,
@@ -388,9 +440,11 @@ pub(crate) async fn review(
     workflow_server: &str,
     command: ReviewCommand,
     output: Output,
+    access: &Access,
 ) -> anyhow::Result<()> {
-    let (mut workflows, mut client) = z29c_console::clients(workflow_server, server)
-        .map_err(|e| anyhow::Error::new(Exit::BadInput).context(format!("{e:#}")))?;
+    let (mut workflows, mut client) =
+        z29c_console::clients(workflow_server, server, &access.tls(), access.bearer()?)
+            .map_err(|e| anyhow::Error::new(Exit::BadInput).context(format!("{e:#}")))?;
     let unavailable = |s: tonic::Status| {
         if s.code() == tonic::Code::Unavailable {
             anyhow::Error::new(Exit::Unavailable).context(format!(

@@ -9,7 +9,6 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use z29c_adapter_gateway::{AdapterConfig, GatewayConfig};
 use z29c_executor::ExecutorConfig;
-use z29c_proto::v1::workflow_service_client::WorkflowServiceClient;
 use z29c_proto::v1::{self as pb, ProductState};
 use z29c_scheduler::SchedulerConfig;
 
@@ -36,6 +35,63 @@ pub(crate) struct DevArgs {
     /// Where the operator console is served (another free port if this one is taken).
     #[arg(long, default_value = "127.0.0.1:8088")]
     console: std::net::SocketAddr,
+    /// Plaintext gRPC and no operator tokens (by default dev makes a throwaway CA, requires
+    /// client certificates between services, and signs operator tokens, as production does).
+    #[arg(long)]
+    insecure: bool,
+}
+
+/// What `z29c dev` secures its services with: a throwaway CA and token secret, and the
+/// tokens it hands out.
+struct DevSecurity {
+    tls: z29c_security::TlsConfig,
+    auth: z29c_security::AuthConfig,
+    /// All three roles, for the demo and the person at the console.
+    token: Option<String>,
+    dir: Option<PathBuf>,
+}
+
+impl DevSecurity {
+    fn new(insecure: bool) -> anyhow::Result<Self> {
+        if insecure {
+            return Ok(Self {
+                tls: Default::default(),
+                auth: Default::default(),
+                token: None,
+                dir: None,
+            });
+        }
+        let dir =
+            std::env::temp_dir().join(format!("z29c-dev-pki-{}", uuid::Uuid::new_v4().simple()));
+        let pki = z29c_security::pki::DevPki::generate(&dir, &["services", "operator"])?;
+        let secret = z29c_security::token::random_secret();
+        let auth = z29c_security::AuthConfig {
+            enabled: true,
+            hs256_secrets: vec![secret.clone().into()],
+            ..Default::default()
+        };
+        let token = z29c_security::token::mint(
+            &secret,
+            &auth.audience,
+            "dev-operator",
+            z29c_core::Role::ALL,
+            Duration::from_secs(24 * 3600),
+        )?;
+        Ok(Self {
+            tls: pki.tls("services"),
+            auth,
+            token: Some(token),
+            dir: Some(dir),
+        })
+    }
+}
+
+impl Drop for DevSecurity {
+    fn drop(&mut self) {
+        if let Some(dir) = &self.dir {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+    }
 }
 
 const DEMO: &str = include_str!("../../../examples/demo.yaml");
@@ -44,6 +100,7 @@ pub(crate) async fn run(args: DevArgs) -> anyhow::Result<()> {
     let started = Instant::now();
     let infra = Infra::start(args.database_url.clone(), args.nats_url.clone()).await?;
     let shutdown = z29c_runtime::shutdown_token();
+    let security = DevSecurity::new(args.insecure)?;
     let prefix = format!("dev{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
 
     let store = z29c_store::Store::connect(&infra.database_url, 4).await?;
@@ -75,6 +132,7 @@ pub(crate) async fn run(args: DevArgs) -> anyhow::Result<()> {
             base_url: destination_url.clone(),
             ..AdapterConfig::default()
         }],
+        tls: security.tls.clone(),
         ..GatewayConfig::default()
     };
     tasks.push(tokio::spawn(z29c_adapter_gateway::run(
@@ -94,6 +152,8 @@ pub(crate) async fn run(args: DevArgs) -> anyhow::Result<()> {
         database_url: infra.database_url.clone(),
         nats_url: infra.nats_url.clone(),
         prefix: prefix.clone(),
+        tls: security.tls.clone(),
+        auth: security.auth.clone(),
         ..SchedulerConfig::default()
     };
     tasks.push(tokio::spawn(z29c_scheduler::run(
@@ -113,6 +173,7 @@ pub(crate) async fn run(args: DevArgs) -> anyhow::Result<()> {
             database_url: infra.database_url.clone(),
             nats_url: infra.nats_url.clone(),
             prefix: prefix.clone(),
+            tls: security.tls.clone(),
             ..ExecutorConfig::default()
         };
         tasks.push(tokio::spawn(z29c_executor::run(executor, shutdown.clone())));
@@ -122,6 +183,8 @@ pub(crate) async fn run(args: DevArgs) -> anyhow::Result<()> {
         database_url: infra.database_url.clone(),
         nats_url: infra.nats_url.clone(),
         prefix: prefix.clone(),
+        tls: security.tls.clone(),
+        auth: security.auth.clone(),
         ..z29c_recovery::RecoveryConfig::default()
     };
     let (rec_ready, rec_addr) = tokio::sync::oneshot::channel();
@@ -133,7 +196,13 @@ pub(crate) async fn run(args: DevArgs) -> anyhow::Result<()> {
     let Ok(rec_addr) = rec_addr.await else {
         return Err(failure(tasks.pop()).await.context("recovery did not start"));
     };
-    let server = format!("http://{sched_addr}");
+    let scheme = if security.dir.is_some() {
+        "https"
+    } else {
+        "http"
+    };
+    let server = format!("{scheme}://{sched_addr}");
+    let review_server = format!("{scheme}://{rec_addr}");
 
     // one process, one metrics registry: every service's metrics on one /metrics
     let metrics_addr = free_local_addr()?;
@@ -149,8 +218,10 @@ pub(crate) async fn run(args: DevArgs) -> anyhow::Result<()> {
         z29c_console::ConsoleConfig {
             listen: console_listen,
             workflow_server: server.clone(),
-            review_server: format!("http://{rec_addr}"),
+            review_server: review_server.clone(),
             metrics: vec![format!("http://{metrics_addr}/metrics")],
+            tls: security.tls.clone(),
+            auth: security.auth.clone(),
         },
         shutdown.clone(),
         Some(console_ready),
@@ -165,16 +236,32 @@ pub(crate) async fn run(args: DevArgs) -> anyhow::Result<()> {
     println!("  console: http://{console_addr}/");
     println!("  metrics (all services): http://{metrics_addr}/metrics");
     println!("  scheduler (WorkflowService): {server}");
-    println!("  recovery (ReviewService): http://{rec_addr}");
+    println!("  recovery (ReviewService): {review_server}");
     println!("  destination (synthetic external system): {destination_url}");
     println!("  PostgreSQL: {}", infra.database_url);
     println!("  NATS: {} (prefix {prefix})", infra.nats_url);
+    if let (Some(dir), Some(token)) = (&security.dir, &security.token) {
+        println!(
+            "  mutual TLS between services (throwaway CA in {}), operator tokens required",
+            dir.display()
+        );
+        println!("  to use the CLI or sign in to the console (token with every role, valid 24 h):");
+        println!(
+            "    export Z29C_TLS__CA_FILE={0}/ca.pem Z29C_TLS__CERT_FILE={0}/operator.pem Z29C_TLS__KEY_FILE={0}/operator.key",
+            dir.display()
+        );
+        println!("    export Z29C_SERVER={server} Z29C_REVIEW_SERVER={review_server}");
+        println!("    export Z29C_TOKEN={token}");
+    } else {
+        println!("  --insecure: plaintext gRPC, no operator tokens");
+    }
 
     let file = match &args.workflow {
         Some(path) => workflow_file::read(path)?,
         None => workflow_file::parse(DEMO)?,
     };
-    let mut client = WorkflowServiceClient::connect(server.clone()).await?;
+    let access = client::Access::new(security.token.clone(), &security.tls);
+    let mut client = client::connect(&server, &access).await?;
     let submitted = client
         .submit(file.into_request()?)
         .await

@@ -26,6 +26,8 @@ struct Cli {
     /// following).
     #[arg(long, global = true, value_enum, default_value = "text")]
     output: client::Output,
+    #[command(flatten)]
+    access: client::Access,
     #[command(subcommand)]
     command: Command,
 }
@@ -155,25 +157,26 @@ async fn main() -> std::process::ExitCode {
 
 async fn run(cli: Cli) -> anyhow::Result<()> {
     let output = cli.output;
+    let access = &cli.access;
     match cli.command {
         Command::Dev(args) => dev::run(args).await,
         Command::Submit {
             file,
             watch,
             server,
-        } => client::submit(&server, &file, watch, output).await,
+        } => client::submit(&server, &file, watch, output, access).await,
         Command::Status {
             workflow_id,
             watch,
             server,
-        } => client::status(&server, &workflow_id, watch, output).await,
+        } => client::status(&server, &workflow_id, watch, output, access).await,
         Command::Review {
             command,
             server,
             workflow_server,
-        } => client::review(&server, &workflow_server, command, output).await,
+        } => client::review(&server, &workflow_server, command, output, access).await,
         Command::Probe { addr, service } => {
-            let status = z29c_runtime::probe(&addr, &service).await?;
+            let status = z29c_runtime::probe(&addr, &service, &access.tls()).await?;
             if status != "SERVING" {
                 anyhow::bail!("{addr}: {status}");
             }

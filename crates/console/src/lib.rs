@@ -4,24 +4,33 @@
 //! form, and the four metric levels. It holds no state and no SQL: it reads the public gRPC
 //! services (`WorkflowService` on the scheduler, `ReviewService` on recovery) and the services'
 //! `/metrics`, and serves the page plus a JSON API (`/api/...`) the page polls.
+//!
+//! With operator authentication on, people sign in with their token and the console forwards
+//! it, so the services decide what each person may do; forms are CSRF-protected
+//! ([`session`]).
 
 use std::net::SocketAddr;
 use std::time::Duration;
 
 use anyhow::Context;
 use axum::extract::{Path, State};
-use axum::http::StatusCode;
-use axum::response::{Html, IntoResponse, Response};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{Html, IntoResponse, Redirect, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use axum_extra::extract::cookie::CookieJar;
 use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
 use tonic::transport::Channel;
 use z29c_proto::v1 as pb;
 use z29c_proto::v1::review_service_client::ReviewServiceClient;
 use z29c_proto::v1::workflow_service_client::WorkflowServiceClient;
+use z29c_security::{Authed, Bearer, TlsConfig};
+
+use crate::session::{Refusal, Sessions};
 
 pub mod metrics;
+pub mod session;
 pub mod view;
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -35,6 +44,10 @@ pub struct ConsoleConfig {
     pub review_server: String,
     /// `/metrics` URLs of the services, summed in the overview.
     pub metrics: Vec<String>,
+    /// Client certificate and CA for the services' mutual TLS.
+    pub tls: TlsConfig,
+    /// Operator tokens: with `auth.enabled`, people sign in and their token is forwarded.
+    pub auth: z29c_security::AuthConfig,
 }
 
 impl Default for ConsoleConfig {
@@ -44,34 +57,66 @@ impl Default for ConsoleConfig {
             workflow_server: "http://127.0.0.1:50051".into(),
             review_server: "http://127.0.0.1:50053".into(),
             metrics: Vec::new(),
+            tls: TlsConfig::default(),
+            auth: z29c_security::AuthConfig::default(),
         }
     }
 }
 
 #[derive(Clone)]
 struct App {
-    workflows: WorkflowServiceClient<Channel>,
-    reviews: ReviewServiceClient<Channel>,
+    workflows: Channel,
+    reviews: Channel,
+    sessions: Sessions,
     metrics: Vec<String>,
     http: reqwest::Client,
 }
 
-/// The gRPC clients the console and `z29c review` read through. Connections are lazy: the
-/// console starts while a service is still down and says so per request.
-pub fn clients(
+type Clients = (WorkflowServiceClient<Authed>, ReviewServiceClient<Authed>);
+
+impl App {
+    /// Clients carrying the signed-in person's token.
+    fn clients(&self, jar: &CookieJar) -> Result<Clients, ApiError> {
+        let (_, bearer) = self.sessions.caller(jar)?;
+        Ok((
+            WorkflowServiceClient::with_interceptor(self.workflows.clone(), bearer.clone()),
+            ReviewServiceClient::with_interceptor(self.reviews.clone(), bearer),
+        ))
+    }
+}
+
+fn channels(
     workflow_server: &str,
     review_server: &str,
-) -> anyhow::Result<(WorkflowServiceClient<Channel>, ReviewServiceClient<Channel>)> {
+    tls: &TlsConfig,
+) -> anyhow::Result<(Channel, Channel)> {
     let lazy = |url: &str, what: &str| -> anyhow::Result<Channel> {
-        Ok(Channel::from_shared(url.to_owned())
+        Ok(tls
+            .endpoint(url)
             .with_context(|| format!("{what}: bad URL {url:?}"))?
             .connect_timeout(Duration::from_secs(2))
             .timeout(Duration::from_secs(5))
             .connect_lazy())
     };
     Ok((
-        WorkflowServiceClient::new(lazy(workflow_server, "workflow_server")?),
-        ReviewServiceClient::new(lazy(review_server, "review_server")?),
+        lazy(workflow_server, "workflow_server")?,
+        lazy(review_server, "review_server")?,
+    ))
+}
+
+/// The gRPC clients the console and `z29c review` read through, carrying `bearer`.
+/// Connections are lazy: the console starts while a service is still down and says so per
+/// request.
+pub fn clients(
+    workflow_server: &str,
+    review_server: &str,
+    tls: &TlsConfig,
+    bearer: Bearer,
+) -> anyhow::Result<Clients> {
+    let (w, r) = channels(workflow_server, review_server, tls)?;
+    Ok((
+        WorkflowServiceClient::with_interceptor(w, bearer.clone()),
+        ReviewServiceClient::with_interceptor(r, bearer),
     ))
 }
 
@@ -81,10 +126,16 @@ pub async fn run(
     shutdown: CancellationToken,
     ready: Option<tokio::sync::oneshot::Sender<SocketAddr>>,
 ) -> anyhow::Result<()> {
-    let (workflows, reviews) = clients(&config.workflow_server, &config.review_server)?;
+    let (workflows, reviews) =
+        channels(&config.workflow_server, &config.review_server, &config.tls)?;
+    let verifier = z29c_security::Verifier::from_config(&config.auth)?;
+    if !verifier.enabled() {
+        tracing::warn!("console sign-in is off: anyone who reaches it may act (set auth.enabled)");
+    }
     let app = App {
         workflows,
         reviews,
+        sessions: Sessions::new(verifier),
         metrics: config.metrics.clone(),
         http: reqwest::Client::new(),
     };
@@ -105,6 +156,8 @@ pub async fn run(
 fn router(app: App) -> Router {
     Router::new()
         .route("/", get(page))
+        .route("/login", get(login_page).post(login))
+        .route("/logout", post(logout))
         .route("/api/workflows", get(list_workflows))
         .route("/api/workflows/{id}", get(workflow))
         .route("/api/reviews", get(open_review_items))
@@ -113,8 +166,82 @@ fn router(app: App) -> Router {
         .with_state(app)
 }
 
-async fn page() -> Html<&'static str> {
-    Html(include_str!("../assets/index.html"))
+/// The page, with the CSRF cookie its forms send back; without a session, the sign-in page.
+async fn page(State(app): State<App>, jar: CookieJar) -> Response {
+    if app.sessions.caller(&jar).is_err() {
+        return Redirect::to("/login").into_response();
+    }
+    let session = jar
+        .get(session::SESSION_COOKIE)
+        .map(|c| c.value().to_owned());
+    let jar = jar.add(app.sessions.csrf_cookie(session.as_deref()));
+    (jar, Html(include_str!("../assets/index.html"))).into_response()
+}
+
+const LOGIN_PAGE: &str = include_str!("../assets/login.html");
+
+fn login_html(sessions: &Sessions, message: &str) -> Html<String> {
+    Html(
+        LOGIN_PAGE
+            .replace("{{message}}", message)
+            .replace("{{csrf}}", &sessions.csrf_for(None)),
+    )
+}
+
+async fn login_page(State(app): State<App>) -> Html<String> {
+    login_html(&app.sessions, "")
+}
+
+#[derive(Debug, Deserialize)]
+struct LoginForm {
+    token: String,
+    #[serde(default)]
+    csrf: String,
+}
+
+/// Signs in with a pasted token. The form carries the pre-session CSRF token, so another site
+/// cannot sign a person in as someone else (login CSRF).
+async fn login(
+    State(app): State<App>,
+    jar: CookieJar,
+    mut headers: HeaderMap,
+    axum::Form(form): axum::Form<LoginForm>,
+) -> Response {
+    let retry = |status: StatusCode, msg: &str| {
+        let msg = msg
+            .replace('&', "&amp;")
+            .replace('<', "&lt;")
+            .replace('>', "&gt;");
+        let message = format!("<p class=\"error\">{msg}</p>");
+        (status, login_html(&app.sessions, &message)).into_response()
+    };
+    if let Ok(v) = form.csrf.parse() {
+        headers.insert(session::CSRF_HEADER, v);
+    }
+    let anonymous = jar.clone().remove(session::SESSION_COOKIE);
+    if let Err(Refusal::Forgery(why)) = app.sessions.check_forgery(&anonymous, &headers) {
+        return retry(StatusCode::FORBIDDEN, why);
+    }
+    if !app.sessions.enabled() {
+        return Redirect::to("/").into_response();
+    }
+    match app.sessions.sign_in(jar, &form.token) {
+        Ok((jar, caller)) => {
+            tracing::info!(subject = %caller.subject, "console sign-in");
+            (jar, Redirect::to("/")).into_response()
+        }
+        Err(Refusal::SignIn(why)) => {
+            retry(StatusCode::UNAUTHORIZED, &format!("sign-in refused: {why}"))
+        }
+        Err(Refusal::Forgery(why)) => retry(StatusCode::FORBIDDEN, why),
+    }
+}
+
+async fn logout(State(app): State<App>, jar: CookieJar, headers: HeaderMap) -> Response {
+    if let Err(e) = app.sessions.check_forgery(&jar, &headers) {
+        return ApiError::from(e).into_response();
+    }
+    (app.sessions.sign_out(jar), Redirect::to("/login")).into_response()
 }
 
 /// A failed call, as the page shows it: the gRPC status's code and reason.
@@ -124,6 +251,15 @@ struct ApiError(tonic::Status);
 impl From<tonic::Status> for ApiError {
     fn from(s: tonic::Status) -> Self {
         Self(s)
+    }
+}
+
+impl From<Refusal> for ApiError {
+    fn from(r: Refusal) -> Self {
+        Self(match r {
+            Refusal::SignIn(why) => tonic::Status::unauthenticated(why),
+            Refusal::Forgery(why) => tonic::Status::permission_denied(why),
+        })
     }
 }
 
@@ -154,10 +290,11 @@ fn invalid(field: &str, reason: &str) -> ApiError {
 }
 
 async fn list_workflows(
-    State(mut app): State<App>,
+    State(app): State<App>,
+    jar: CookieJar,
 ) -> Result<Json<Vec<view::WorkflowRow>>, ApiError> {
-    let list = app
-        .workflows
+    let (mut workflows, _) = app.clients(&jar)?;
+    let list = workflows
         .list(pb::ListRequest {
             page_size: 100,
             page_token: String::new(),
@@ -168,11 +305,12 @@ async fn list_workflows(
 }
 
 async fn workflow(
-    State(mut app): State<App>,
+    State(app): State<App>,
+    jar: CookieJar,
     Path(id): Path<String>,
 ) -> Result<Json<view::WorkflowView>, ApiError> {
-    let w = app
-        .workflows
+    let (mut workflows, _) = app.clients(&jar)?;
+    let w = workflows
         .get(pb::GetRequest { workflow_id: id })
         .await?
         .into_inner();
@@ -183,8 +321,8 @@ async fn workflow(
 /// state and its step's evidence and decisions: what the console's queue and `z29c review`
 /// both show.
 pub async fn review_queue(
-    workflows: &mut WorkflowServiceClient<Channel>,
-    reviews: &mut ReviewServiceClient<Channel>,
+    workflows: &mut WorkflowServiceClient<Authed>,
+    reviews: &mut ReviewServiceClient<Authed>,
     include_resolved: bool,
 ) -> Result<Vec<view::ReviewView>, tonic::Status> {
     let items = reviews
@@ -211,10 +349,12 @@ pub async fn review_queue(
 }
 
 async fn open_review_items(
-    State(mut app): State<App>,
+    State(app): State<App>,
+    jar: CookieJar,
 ) -> Result<Json<Vec<view::ReviewView>>, ApiError> {
+    let (mut workflows, mut reviews) = app.clients(&jar)?;
     Ok(Json(
-        review_queue(&mut app.workflows, &mut app.reviews, false).await?,
+        review_queue(&mut workflows, &mut reviews, false).await?,
     ))
 }
 
@@ -232,11 +372,15 @@ struct ResolveForm {
 }
 
 async fn resolve(
-    State(mut app): State<App>,
+    State(app): State<App>,
+    jar: CookieJar,
+    headers: HeaderMap,
     Path(id): Path<String>,
     Json(form): Json<ResolveForm>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     use pb::resolve_request::Resolution;
+    app.sessions.check_forgery(&jar, &headers)?;
+    let (_, mut reviews) = app.clients(&jar)?;
     let expected_version = form
         .expected_version
         .ok_or_else(|| invalid("expected_version", "required"))?;
@@ -259,8 +403,7 @@ async fn resolve(
             ));
         }
     };
-    let item = app
-        .reviews
+    let item = reviews
         .resolve(pb::ResolveRequest {
             item_id: id,
             expected_version,
@@ -277,6 +420,10 @@ async fn resolve(
     })))
 }
 
-async fn metrics_overview(State(app): State<App>) -> Json<metrics::Overview> {
-    Json(metrics::overview(&app.http, &app.metrics).await)
+async fn metrics_overview(
+    State(app): State<App>,
+    jar: CookieJar,
+) -> Result<Json<metrics::Overview>, ApiError> {
+    app.sessions.caller(&jar)?;
+    Ok(Json(metrics::overview(&app.http, &app.metrics).await))
 }

@@ -31,6 +31,8 @@ pub struct ExecutorConfig {
     /// Where the gRPC health protocol is served (SERVING while PostgreSQL answers and NATS
     /// is connected), if anywhere: the executor has no other server.
     pub health_listen: Option<std::net::SocketAddr>,
+    /// Mutual TLS: the certificate presented to gateways, and required by the health server.
+    pub tls: z29c_security::TlsConfig,
     /// Fault injection (only with the `faults` feature): stall this long after the gateway
     /// answered and before committing, as a paused process would.
     #[cfg(feature = "faults")]
@@ -63,6 +65,7 @@ impl Default for ExecutorConfig {
             shutdown_grace_ms: 10_000,
             metrics_listen: None,
             health_listen: None,
+            tls: Default::default(),
             #[cfg(feature = "faults")]
             fault_stall_after_response_ms: 0,
             #[cfg(feature = "faults")]

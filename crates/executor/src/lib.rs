@@ -72,7 +72,7 @@ pub async fn run(config: ExecutorConfig, shutdown: CancellationToken) -> anyhow:
         );
         let token = shutdown.clone();
         tokio::spawn(
-            tonic::transport::Server::builder()
+            z29c_runtime::server::builder(&config.tls, &Default::default())?
                 .add_service(health)
                 .serve_with_incoming_shutdown(
                     tokio_stream::wrappers::TcpListenerStream::new(listener),
@@ -80,7 +80,7 @@ pub async fn run(config: ExecutorConfig, shutdown: CancellationToken) -> anyhow:
                 ),
         );
     }
-    let gateways = z29c_bus::gateways::Gateways::new(bus.clone());
+    let gateways = z29c_bus::gateways::Gateways::new(bus.clone(), config.tls.clone());
     let commits = config.group_commit.then(|| {
         z29c_store::batch::GroupCommit::start(&store, config.committers, config.max_group)
     });

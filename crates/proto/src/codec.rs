@@ -9,7 +9,7 @@ use tonic::codec::{BufferSettings, Codec, DecodeBuf, Decoder};
 use tonic_prost::{ProstCodec, ProstDecoder};
 
 /// [`ProstCodec`] with decode failures answered as `INVALID_ARGUMENT`.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct Z29cCodec<T, U>(ProstCodec<T, U>);
 
 impl<T, U> Default for Z29cCodec<T, U> {

@@ -21,6 +21,15 @@ pub struct RecoveryConfig {
     pub batch: i64,
     /// How long a recovery lease lasts; a recovery worker that dies is itself recovered.
     pub recovery_lease_ms: u64,
+    /// Mutual TLS: `ReviewService` requires a client certificate from `tls.ca_file`, and the
+    /// same certificate is presented to gateways.
+    pub tls: z29c_security::TlsConfig,
+    /// Operator tokens and roles for `ReviewService`.
+    pub auth: z29c_security::AuthConfig,
+    /// Deadline cap and per-connection limits of the gRPC server.
+    pub grpc: z29c_runtime::ServerLimits,
+    /// Largest request `ReviewService` accepts.
+    pub max_request_bytes: usize,
 }
 
 impl Default for RecoveryConfig {
@@ -36,6 +45,10 @@ impl Default for RecoveryConfig {
             scan_ms: 500,
             batch: 50,
             recovery_lease_ms: 30_000,
+            tls: Default::default(),
+            auth: Default::default(),
+            grpc: Default::default(),
+            max_request_bytes: 64 * 1024,
         }
     }
 }

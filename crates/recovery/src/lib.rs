@@ -47,7 +47,7 @@ pub async fn run(
     );
     let ctx = worker::Context {
         store: store.clone(),
-        bus,
+        gateways: z29c_bus::gateways::Gateways::new(bus, config.tls.clone()),
         owner,
         hold: Duration::from_millis(config.recovery_lease_ms),
     };
@@ -58,14 +58,16 @@ pub async fn run(
         .await
         .with_context(|| format!("bind {}", config.listen))?;
     let addr = listener.local_addr()?;
+    let guard =
+        z29c_runtime::Guard::new("z29c.v1.ReviewService", &config.auth, store.clone(), (0, 0))?;
     let server = tokio::spawn(
-        tonic::transport::Server::builder()
-            .timeout(Duration::from_secs(30))
+        z29c_runtime::server::builder(&config.tls, &config.grpc)?
             .add_service(health)
             .add_service(
                 z29c_proto::v1::review_service_server::ReviewServiceServer::new(
-                    review::Reviews::new(store.clone()),
-                ),
+                    review::Reviews::new(store.clone(), guard),
+                )
+                .max_decoding_message_size(config.max_request_bytes),
             )
             .serve_with_incoming_shutdown(
                 tokio_stream::wrappers::TcpListenerStream::new(listener),

@@ -3,39 +3,27 @@
 
 use tonic::{Request, Response, Status};
 use uuid::Uuid;
+use z29c_core::Action;
 use z29c_core::ExternalReference;
 use z29c_proto::v1::review_service_server::ReviewService;
 use z29c_proto::v1::{self as pb, resolve_request};
+use z29c_runtime::{Guard, status_from_store};
+use z29c_store::Store;
 use z29c_store::review::{Resolution, ReviewItem};
-use z29c_store::{Store, StoreError};
 
-/// Metadata naming the operator, until operator authentication lands.
+/// Metadata naming the operator when operator authentication is off (development); with it
+/// on, the resolver is the token's subject and this header is ignored.
 pub const OPERATOR_HEADER: &str = "x-z29c-operator";
 
 #[derive(Debug, Clone)]
 pub struct Reviews {
     store: Store,
+    guard: Guard,
 }
 
 impl Reviews {
-    pub fn new(store: Store) -> Self {
-        Self { store }
-    }
-}
-
-fn status(e: StoreError) -> Status {
-    match e {
-        StoreError::Invalid { field, reason } => {
-            Status::invalid_argument(format!("{field}: {reason}"))
-        }
-        StoreError::NotFound { what } => Status::not_found(format!("{what} not found")),
-        StoreError::Conflict(msg) => Status::failed_precondition(msg),
-        StoreError::Fenced(reason) => Status::failed_precondition(format!("fenced: {reason}")),
-        StoreError::Transient(_) => Status::unavailable(e.to_string()),
-        other => {
-            tracing::error!(error = %other, "store error");
-            Status::internal("internal error")
-        }
+    pub fn new(store: Store, guard: Guard) -> Self {
+        Self { store, guard }
     }
 }
 
@@ -66,6 +54,7 @@ impl ReviewService for Reviews {
         &self,
         request: Request<pb::ListReviewsRequest>,
     ) -> Result<Response<pb::ListReviewsResponse>, Status> {
+        self.guard.admit(&request, "List", Action::Read).await?;
         let req = request.into_inner();
         let size = if req.page_size == 0 {
             100
@@ -76,7 +65,7 @@ impl ReviewService for Reviews {
             .store
             .review_items(req.include_resolved, i64::from(size))
             .await
-            .map_err(status)?;
+            .map_err(status_from_store)?;
         Ok(Response::new(pb::ListReviewsResponse {
             items: items.into_iter().map(to_wire).collect(),
             next_page_token: String::new(),
@@ -87,13 +76,21 @@ impl ReviewService for Reviews {
         &self,
         request: Request<pb::ResolveRequest>,
     ) -> Result<Response<pb::ReviewItem>, Status> {
-        let who = request
-            .metadata()
-            .get(OPERATOR_HEADER)
-            .and_then(|v| v.to_str().ok())
-            .filter(|v| !v.trim().is_empty())
-            .unwrap_or("operator")
-            .to_owned();
+        let caller = self
+            .guard
+            .admit(&request, "Resolve", Action::Resolve)
+            .await?;
+        let who = if self.guard.verifier().enabled() {
+            caller.subject
+        } else {
+            request
+                .metadata()
+                .get(OPERATOR_HEADER)
+                .and_then(|v| v.to_str().ok())
+                .filter(|v| !v.trim().is_empty())
+                .unwrap_or("operator")
+                .to_owned()
+        };
         let req = request.into_inner();
         let item: Uuid = req
             .item_id
@@ -124,7 +121,7 @@ impl ReviewService for Reviews {
             .store
             .resolve_review(item, req.expected_version, &who, &req.reason, &resolution)
             .await
-            .map_err(status)?;
+            .map_err(status_from_store)?;
         let (kind, outcome) = match &resolution {
             Resolution::Succeeded(_) => ("succeeded", Some("succeeded")),
             Resolution::Failed => ("failed", Some("failed")),

@@ -6,7 +6,6 @@ use std::time::Duration;
 
 use serde_json::{Value, json};
 use tracing::Instrument;
-use z29c_bus::Bus;
 use z29c_bus::gateways::Gateways;
 use z29c_core::{
     AdapterCapability, ExternalReference, InputDigest, LeaseClaim, Outcome, OwnerId,
@@ -20,7 +19,8 @@ use z29c_store::{Store, StoreError};
 #[derive(Debug, Clone)]
 pub struct Context {
     pub store: Store,
-    pub bus: Bus,
+    /// The gateway registry and its channels (kept across recoveries).
+    pub gateways: Gateways,
     pub owner: OwnerId,
     pub hold: Duration,
 }
@@ -59,8 +59,7 @@ async fn decide_on(
     z29c_telemetry::metrics::counter!(z29c_telemetry::LEASE_RECOVERIES).increment(1);
     z29c_telemetry::metrics::histogram!(z29c_telemetry::LEASE_EXPIRY_AGE)
         .record(expired.expired_for.num_milliseconds().max(0) as f64 / 1000.0);
-    let gateways = Gateways::new(ctx.bus.clone());
-    let chosen = gateways.for_adapter(&rec.snapshot.adapter).await;
+    let chosen = ctx.gateways.for_adapter(&rec.snapshot.adapter).await;
     let capability = match &chosen {
         Some(c) => described_capability(c, &rec.snapshot.adapter).await,
         // an adapter nobody serves now cannot promise anything: treat it as opaque

@@ -1,7 +1,14 @@
 //! Plumbing every z29c service shares, so each `main` stays short: configuration layering
 //! (defaults → file → `Z29C_…` environment, `__` for nesting), signal handling (first signal
 //! drains, second exits at once), tracing set-up (`z29c_telemetry::trace`), and the one mapping from store errors to
-//! `tonic::Status`.
+//! `tonic::Status`; the door of the public services ([`guard`]) and how every gRPC server is
+//! built ([`server`]).
+
+pub mod guard;
+pub mod server;
+
+pub use guard::Guard;
+pub use server::ServerLimits;
 
 use std::path::Path;
 
@@ -103,14 +110,17 @@ async fn wait_for_signal() {
     }
 }
 
-/// The gRPC health protocol (`grpc.health.v1.Health`) for a service: `""` and `service` are
-/// `SERVING` while PostgreSQL answers and NATS is connected, `NOT_SERVING` otherwise
-/// (readiness). Checked every second until `shutdown`, then `NOT_SERVING`.
 /// Asks the gRPC health service at `addr` about `service` ("" for the whole server), within
 /// 3 s, and returns its status by name (`SERVING`, `NOT_SERVING`, ...).
-pub async fn probe(addr: &str, service: &str) -> anyhow::Result<String> {
+/// With TLS (`Z29C_TLS__CA_FILE`, `…CERT_FILE`, `…KEY_FILE`) it presents that certificate.
+pub async fn probe(
+    addr: &str,
+    service: &str,
+    tls: &z29c_security::TlsConfig,
+) -> anyhow::Result<String> {
     use tonic_health::pb::health_client::HealthClient;
-    let channel = tonic::transport::Endpoint::from_shared(addr.to_owned())?
+    let channel = tls
+        .endpoint(addr)?
         .connect_timeout(std::time::Duration::from_secs(3))
         .timeout(std::time::Duration::from_secs(3))
         .connect()
@@ -124,6 +134,9 @@ pub async fn probe(addr: &str, service: &str) -> anyhow::Result<String> {
     Ok(answer.status().as_str_name().to_owned())
 }
 
+/// The gRPC health protocol (`grpc.health.v1.Health`) for a service: `""` and `service` are
+/// `SERVING` while PostgreSQL answers and NATS is connected, `NOT_SERVING` otherwise
+/// (readiness). Checked every second until `shutdown`, then `NOT_SERVING`.
 pub fn health_service(
     service: &'static str,
     store: z29c_store::Store,

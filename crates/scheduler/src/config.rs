@@ -4,6 +4,8 @@ use std::net::SocketAddr;
 
 use serde::{Deserialize, Serialize};
 use z29c_core::PlatformBounds;
+use z29c_runtime::ServerLimits;
+use z29c_security::{AuthConfig, TlsConfig};
 use z29c_store::workflows::SubmitLimits;
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -23,6 +25,15 @@ pub struct SchedulerConfig {
     pub bounds: PlatformBounds,
     /// Where `/metrics` is served (Prometheus), if anywhere.
     pub metrics_listen: Option<SocketAddr>,
+    /// Each caller's workflow submissions per second (0: no limit) and burst.
+    pub submissions_per_second: u32,
+    pub submission_burst: u32,
+    /// Mutual TLS: this server requires a client certificate from `tls.ca_file`.
+    pub tls: TlsConfig,
+    /// Operator tokens and roles.
+    pub auth: AuthConfig,
+    /// Deadline cap and per-connection limits of the gRPC server.
+    pub grpc: ServerLimits,
 }
 
 impl Default for SchedulerConfig {
@@ -40,6 +51,11 @@ impl Default for SchedulerConfig {
             max_request_bytes: 4 * 1024 * 1024,
             bounds: PlatformBounds::default(),
             metrics_listen: None,
+            submissions_per_second: 500,
+            submission_burst: 1_000,
+            tls: TlsConfig::default(),
+            auth: AuthConfig::default(),
+            grpc: ServerLimits::default(),
         }
     }
 }

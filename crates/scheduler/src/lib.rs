@@ -15,7 +15,6 @@ pub mod relay;
 pub mod service;
 
 use std::net::SocketAddr;
-use std::time::Duration;
 
 use anyhow::Context;
 use tokio_util::sync::CancellationToken;
@@ -61,13 +60,18 @@ pub async fn run(
         bus.clone(),
         shutdown.clone(),
     );
-    let service = service::Workflows::new(store, bus, config.limits());
+    let guard = z29c_runtime::Guard::new(
+        "z29c.v1.WorkflowService",
+        &config.auth,
+        store.clone(),
+        (config.submissions_per_second, config.submission_burst),
+    )?;
+    let service = service::Workflows::new(store, bus, config.limits(), guard);
     tracing::info!(%addr, "scheduler listening");
     if let Some(ready) = ready {
         let _ = ready.send(addr);
     }
-    tonic::transport::Server::builder()
-        .timeout(Duration::from_secs(30))
+    z29c_runtime::server::builder(&config.tls, &config.grpc)?
         .add_service(health)
         .add_service(
             WorkflowServiceServer::new(service).max_decoding_message_size(config.max_request_bytes),

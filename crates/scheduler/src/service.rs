@@ -8,10 +8,11 @@ use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 use tracing::Instrument;
 use z29c_bus::Bus;
+use z29c_core::Action;
 use z29c_core::{ClientKey, LeasePolicy, ProductState, StepName, WorkflowId};
 use z29c_proto::v1::workflow_service_server::WorkflowService;
 use z29c_proto::v1::{self as pb};
-use z29c_runtime::status_from_store;
+use z29c_runtime::{Guard, status_from_store};
 use z29c_store::Store;
 use z29c_store::workflows::{NewStep, NewWorkflow, StepDetail, SubmitLimits, WorkflowDetail};
 
@@ -20,11 +21,17 @@ pub struct Workflows {
     store: Store,
     bus: Bus,
     limits: SubmitLimits,
+    guard: Guard,
 }
 
 impl Workflows {
-    pub fn new(store: Store, bus: Bus, limits: SubmitLimits) -> Self {
-        Self { store, bus, limits }
+    pub fn new(store: Store, bus: Bus, limits: SubmitLimits, guard: Guard) -> Self {
+        Self {
+            store,
+            bus,
+            limits,
+            guard,
+        }
     }
 }
 
@@ -256,6 +263,7 @@ impl WorkflowService for Workflows {
         &self,
         request: Request<pb::SubmitRequest>,
     ) -> Result<Response<pb::SubmitResponse>, Status> {
+        self.guard.admit(&request, "Submit", Action::Submit).await?;
         // the submission is the root of the workflow's trace (or joins the caller's)
         let span = tracing::info_span!(
             "workflow.submit",
@@ -273,6 +281,7 @@ impl WorkflowService for Workflows {
         &self,
         request: Request<pb::GetRequest>,
     ) -> Result<Response<pb::Workflow>, Status> {
+        self.guard.admit(&request, "Get", Action::Read).await?;
         let id = parse_id("workflow_id", &request.into_inner().workflow_id)?;
         Ok(Response::new(self.detail(id, true).await?))
     }
@@ -281,6 +290,7 @@ impl WorkflowService for Workflows {
         &self,
         request: Request<pb::ListRequest>,
     ) -> Result<Response<pb::ListResponse>, Status> {
+        self.guard.admit(&request, "List", Action::Read).await?;
         let req = request.into_inner();
         let size = if req.page_size == 0 {
             50
@@ -316,6 +326,7 @@ impl WorkflowService for Workflows {
         &self,
         request: Request<pb::CancelRequest>,
     ) -> Result<Response<pb::Workflow>, Status> {
+        self.guard.admit(&request, "Cancel", Action::Cancel).await?;
         let req = request.into_inner();
         let id = parse_id("workflow_id", &req.workflow_id)?;
         let reason = if req.reason.trim().is_empty() {
@@ -336,6 +347,7 @@ impl WorkflowService for Workflows {
         &self,
         request: Request<pb::WatchRequest>,
     ) -> Result<Response<Self::WatchStream>, Status> {
+        self.guard.admit(&request, "Watch", Action::Read).await?;
         let id = parse_id("workflow_id", &request.into_inner().workflow_id)?;
         // fail fast on an unknown workflow
         self.store.workflow(id).await.map_err(status_from_store)?;

@@ -9,13 +9,16 @@
 //! # Layout
 //! - [`tls`]: certificate files → tonic server and client TLS settings.
 //! - [`token`]: operator tokens: verification, roles, and minting (dev, tests, `z29c token`).
+//! - [`client`]: a token attached to every call of a client.
 //! - [`rate`]: per-caller rate limits.
 //! - [`pki`]: a throwaway CA and certificates, written to a directory.
 
+pub mod client;
 pub mod pki;
 pub mod rate;
 pub mod tls;
 pub mod token;
 
+pub use client::{Authed, Bearer};
 pub use tls::TlsConfig;
 pub use token::{AuthConfig, Caller, Denied, Verifier};

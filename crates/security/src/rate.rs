@@ -48,7 +48,10 @@ mod tests {
             limit.check("alice").unwrap();
         }
         let wait = limit.check("alice").unwrap_err();
-        assert!(wait > Duration::ZERO && wait <= Duration::from_secs(1), "{wait:?}");
+        assert!(
+            wait > Duration::ZERO && wait <= Duration::from_secs(1),
+            "{wait:?}"
+        );
         limit.check("bob").unwrap();
     }
 

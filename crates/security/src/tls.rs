@@ -107,7 +107,9 @@ impl TlsConfig {
                     .tls_config(tls)
                     .context("tls: client settings")?)
             }
-            None => Endpoint::from_shared(url.to_owned()).with_context(|| format!("bad URL {url:?}")),
+            None => {
+                Endpoint::from_shared(url.to_owned()).with_context(|| format!("bad URL {url:?}"))
+            }
         }
     }
 }

@@ -239,7 +239,10 @@ impl Verifier {
         let token = value
             .to_str()
             .ok()
-            .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")))
+            .and_then(|v| {
+                v.strip_prefix("Bearer ")
+                    .or_else(|| v.strip_prefix("bearer "))
+            })
             .ok_or_else(|| {
                 Denied::Unauthenticated("authorization is not `Bearer <token>`".into())
             })?;
@@ -341,7 +344,14 @@ mod tests {
     #[test]
     fn a_valid_token_names_its_caller_and_roles() {
         let v = Verifier::from_config(&config()).unwrap();
-        let t = mint(SECRET, "z29c", "alice", &[Role::Operator], Duration::from_secs(60)).unwrap();
+        let t = mint(
+            SECRET,
+            "z29c",
+            "alice",
+            &[Role::Operator],
+            Duration::from_secs(60),
+        )
+        .unwrap();
         let c = v.caller(&bearer(&t)).unwrap();
         assert_eq!(c.subject, "alice");
         assert_eq!(c.roles, vec![Role::Operator]);
@@ -398,13 +408,24 @@ mod tests {
     #[test]
     fn a_caller_without_the_role_is_denied_with_what_it_needs() {
         let v = Verifier::from_config(&config()).unwrap();
-        let t = mint(SECRET, "z29c", "val", &[Role::Viewer], Duration::from_secs(60)).unwrap();
+        let t = mint(
+            SECRET,
+            "z29c",
+            "val",
+            &[Role::Viewer],
+            Duration::from_secs(60),
+        )
+        .unwrap();
         let e = v.authorize(&bearer(&t), Action::Resolve).unwrap_err();
         assert_eq!(e.kind(), "permission_denied");
         assert_eq!(e.subject(), Some("val"));
         let status: tonic::Status = e.into();
         assert_eq!(status.code(), tonic::Code::PermissionDenied);
-        assert!(status.message().contains("resolver"), "{}", status.message());
+        assert!(
+            status.message().contains("resolver"),
+            "{}",
+            status.message()
+        );
     }
 
     #[test]

@@ -5,7 +5,7 @@ use chrono::{DateTime, Utc};
 use crate::{Result, Store};
 
 /// One audited call.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
 pub struct AuditEntry {
     pub service: String,
     pub method: String,
@@ -19,20 +19,22 @@ pub struct AuditEntry {
 }
 
 /// An audited call as stored.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
 pub struct AuditRecord {
     pub at: DateTime<Utc>,
+    #[sqlx(flatten)]
     pub entry: AuditEntry,
 }
 
 /// A NATS message a consumer refused.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
 pub struct PoisonMessage {
     pub consumer: String,
     pub subject: String,
     pub stream_sequence: Option<i64>,
     pub deliveries: Option<i64>,
     pub reason: String,
+    #[sqlx(rename = "payload_head")]
     pub payload: Vec<u8>,
 }
 
@@ -62,39 +64,13 @@ impl Store {
 
     /// The newest `limit` audit records, newest first.
     pub async fn audit_log(&self, limit: i64) -> Result<Vec<AuditRecord>> {
-        let rows: Vec<(
-            DateTime<Utc>,
-            String,
-            String,
-            Option<String>,
-            String,
-            String,
-            String,
-            Option<String>,
-        )> = sqlx::query_as(
+        Ok(sqlx::query_as(
             "SELECT at, service, method, subject, action, outcome, detail, peer \
              FROM audit_log ORDER BY id DESC LIMIT $1",
         )
         .bind(limit)
         .fetch_all(self.pool())
-        .await?;
-        Ok(rows
-            .into_iter()
-            .map(
-                |(at, service, method, subject, action, outcome, detail, peer)| AuditRecord {
-                    at,
-                    entry: AuditEntry {
-                        service,
-                        method,
-                        subject,
-                        action,
-                        outcome,
-                        detail,
-                        peer,
-                    },
-                },
-            )
-            .collect())
+        .await?)
     }
 
     /// Records a refused NATS message (its first 256 bytes).
@@ -117,28 +93,12 @@ impl Store {
 
     /// The newest `limit` poison messages, newest first.
     pub async fn poison_messages(&self, limit: i64) -> Result<Vec<PoisonMessage>> {
-        let rows: Vec<(String, String, Option<i64>, Option<i64>, String, Vec<u8>)> =
-            sqlx::query_as(
-                "SELECT consumer, subject, stream_sequence, deliveries, reason, payload_head \
-                 FROM poison_messages ORDER BY id DESC LIMIT $1",
-            )
-            .bind(limit)
-            .fetch_all(self.pool())
-            .await?;
-        Ok(rows
-            .into_iter()
-            .map(
-                |(consumer, subject, stream_sequence, deliveries, reason, payload)| {
-                    PoisonMessage {
-                        consumer,
-                        subject,
-                        stream_sequence,
-                        deliveries,
-                        reason,
-                        payload,
-                    }
-                },
-            )
-            .collect())
+        Ok(sqlx::query_as(
+            "SELECT consumer, subject, stream_sequence, deliveries, reason, payload_head \
+             FROM poison_messages ORDER BY id DESC LIMIT $1",
+        )
+        .bind(limit)
+        .fetch_all(self.pool())
+        .await?)
     }
 }

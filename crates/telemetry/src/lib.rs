@@ -48,6 +48,13 @@ pub const STEP_TIME_TO_MANUAL_RESOLUTION: &str = "z29c_step_time_to_manual_resol
 pub const STEP_DUPLICATE_REFERENCES: &str = "z29c_step_duplicate_external_references";
 /// Workflows by state (`running`, `completed`, `failed`, `cancelled`), labelled `state`.
 pub const WORKFLOWS: &str = "z29c_workflows";
+/// Calls the public services refused, labelled `service` and `outcome` (`unauthenticated`,
+/// `permission_denied`, `rate_limited`).
+pub const CALLS_REFUSED: &str = "z29c_calls_refused_total";
+/// Refusals not written to the audit log because its queue was full (a flood).
+pub const AUDIT_DROPPED: &str = "z29c_audit_dropped_total";
+/// NATS messages a consumer terminated as poison, labelled `consumer` and `reason`.
+pub const POISON_MESSAGES: &str = "z29c_poison_messages_total";
 
 /// Counts a committed receipt and how long after submission it came.
 pub fn receipt_committed(verification: &str, outcome: &str, since_submission: Duration) {
@@ -145,6 +152,15 @@ fn describe() {
         "external references named by more than one receipt"
     );
     metrics::describe_gauge!(WORKFLOWS, "workflows by state");
+    metrics::describe_counter!(
+        CALLS_REFUSED,
+        "calls refused: no or bad credentials, no role, over the rate"
+    );
+    metrics::describe_counter!(
+        AUDIT_DROPPED,
+        "refusals not audited because the audit queue was full"
+    );
+    metrics::describe_counter!(POISON_MESSAGES, "NATS messages terminated as poison");
     metrics::describe_counter!(ATTEMPT_INVOCATIONS, "gateway calls by adapter and result");
     metrics::describe_counter!(
         WORKFLOW_SUBMISSIONS,
