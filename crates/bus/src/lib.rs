@@ -125,15 +125,29 @@ impl Names {
     }
 }
 
-/// Decodes an envelope, refusing anything that is not one.
+/// Decodes an envelope, refusing anything that is not one (see `z29c_proto::envelope`).
 pub fn decode(payload: &[u8]) -> Result<Envelope> {
-    let envelope = Envelope::decode(payload).map_err(|e| BusError::Malformed(e.to_string()))?;
-    if envelope.msg_id.is_empty() || envelope.body.is_none() {
-        return Err(BusError::Malformed(
-            "envelope without msg_id or body".into(),
-        ));
+    z29c_proto::envelope::decode(payload).map_err(BusError::Malformed)
+}
+
+/// Decodes an envelope that must belong on `topic`.
+pub fn decode_on(payload: &[u8], topic: Topic) -> Result<Envelope> {
+    let envelope = decode(payload)?;
+    match Topic::of(&envelope) {
+        Some(t) if t == topic => Ok(envelope),
+        other => Err(BusError::Malformed(format!(
+            "a {other:?} body on the {topic:?} subject"
+        ))),
     }
-    Ok(envelope)
+}
+
+/// The body of a max-deliveries advisory (the fields z29c records).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Deserialize)]
+pub struct MaxDeliveries {
+    pub stream: String,
+    pub consumer: String,
+    pub stream_seq: u64,
+    pub deliveries: u64,
 }
 
 /// Whether a publish was new or a duplicate JetStream dropped.
@@ -251,6 +265,18 @@ impl Bus {
                     ..Default::default()
                 },
             )
+            .await
+            .map_err(nats)
+    }
+
+    /// JetStream's advisories that a message of consumer `durable` reached its `max_deliver`
+    /// and will not be delivered again (see [`MaxDeliveries`]).
+    pub async fn max_delivery_advisories(&self, durable: &str) -> Result<async_nats::Subscriber> {
+        self.client
+            .subscribe(format!(
+                "$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{}.{durable}",
+                self.names.stream()
+            ))
             .await
             .map_err(nats)
     }
@@ -433,8 +459,21 @@ mod tests {
 
     #[test]
     fn envelopes_round_trip_and_garbage_is_refused() {
-        let e = step_ready("m-1", "wf", "st");
+        let (wf, st) = (
+            z29c_core::WorkflowId::new().to_string(),
+            z29c_core::StepId::new().to_string(),
+        );
+        let e = step_ready("m-1", &wf, &st);
         assert_eq!(decode(&e.encode_to_vec()).unwrap(), e);
+        assert_eq!(decode_on(&e.encode_to_vec(), Topic::StepReady).unwrap(), e);
+        assert!(matches!(
+            decode_on(&e.encode_to_vec(), Topic::WorkflowChanged),
+            Err(BusError::Malformed(_))
+        ));
+        assert!(matches!(
+            decode(&step_ready("m-1", "wf", "st").encode_to_vec()),
+            Err(BusError::Malformed(_))
+        ));
         assert!(matches!(
             decode(b"\xff\xff\xff"),
             Err(BusError::Malformed(_))

@@ -10,6 +10,14 @@ fn nats_url() -> String {
     std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into())
 }
 
+/// A workflow and a step id as the outbox would send them.
+fn ids() -> (String, String) {
+    (
+        z29c_core::WorkflowId::new().to_string(),
+        z29c_core::StepId::new().to_string(),
+    )
+}
+
 fn prefix() -> String {
     format!("t{}", &uuid::Uuid::new_v4().simple().to_string()[..12])
 }
@@ -17,14 +25,15 @@ fn prefix() -> String {
 #[tokio::test]
 async fn a_republished_outbox_message_is_dropped_as_a_duplicate() {
     let bus = Bus::connect(&nats_url(), &prefix()).await.unwrap();
-    let e = step_ready("step_ready-1", "wf-1", "step-1");
+    let (wf, st) = ids();
+    let e = step_ready("step_ready-1", &wf, &st);
     let first = bus.publish(&e).await.unwrap();
     let again = bus.publish(&e).await.unwrap();
     assert!(!first.duplicate);
     assert!(again.duplicate, "same Nats-Msg-Id inside the window");
     assert_eq!(again.sequence, first.sequence);
     let other = bus
-        .publish(&step_ready("step_ready-2", "wf-1", "step-2"))
+        .publish(&step_ready("step_ready-2", &wf, &ids().1))
         .await
         .unwrap();
     assert!(!other.duplicate);
@@ -55,7 +64,8 @@ async fn prefixes_isolate_deployments_on_one_server() {
     let (a, b) = (prefix(), prefix());
     let bus_a = Bus::connect(&nats_url(), &a).await.unwrap();
     let bus_b = Bus::connect(&nats_url(), &b).await.unwrap();
-    bus_a.publish(&step_ready("m-a", "wf", "st")).await.unwrap();
+    let (wf, st) = ids();
+    bus_a.publish(&step_ready("m-a", &wf, &st)).await.unwrap();
     let consumer = bus_b
         .pull_consumer("executor", Topic::StepReady, Duration::from_secs(5), 5)
         .await

@@ -27,6 +27,7 @@ use tracing::Instrument;
 use z29c_bus::{Bus, Topic};
 use z29c_core::OwnerId;
 use z29c_store::Store;
+use z29c_store::audit::PoisonMessage;
 
 pub use config::ExecutorConfig;
 
@@ -87,7 +88,13 @@ pub async fn run(config: ExecutorConfig, shutdown: CancellationToken) -> anyhow:
     let wake = Arc::new(Notify::new());
     let hints = tokio::spawn(listen_for_hints(
         bus.clone(),
+        store.clone(),
         wake.clone(),
+        shutdown.clone(),
+    ));
+    let advisories = tokio::spawn(record_max_deliveries(
+        bus.clone(),
+        store.clone(),
         shutdown.clone(),
     ));
 
@@ -162,13 +169,19 @@ pub async fn run(config: ExecutorConfig, shutdown: CancellationToken) -> anyhow:
         );
     }
     hints.abort();
+    advisories.abort();
     Ok(())
 }
 
+/// The durable consumer of `step.ready` hints shared by executors.
+const HINT_CONSUMER: &str = "executors";
+
 /// Wakes the pool on `step.ready` hints. Hints are acknowledged at once: they carry no truth.
-async fn listen_for_hints(bus: Bus, wake: Arc<Notify>, shutdown: CancellationToken) {
+/// A message that is not a valid `step.ready` envelope is terminated (never redelivered) and
+/// recorded with its reason; nothing is lost, since polling finds every claimable step anyway.
+async fn listen_for_hints(bus: Bus, store: Store, wake: Arc<Notify>, shutdown: CancellationToken) {
     let consumer = match bus
-        .pull_consumer("executors", Topic::StepReady, Duration::from_secs(5), 3)
+        .pull_consumer(HINT_CONSUMER, Topic::StepReady, Duration::from_secs(5), 3)
         .await
     {
         Ok(c) => c,
@@ -191,6 +204,19 @@ async fn listen_for_hints(bus: Bus, wake: Arc<Notify>, shutdown: CancellationTok
                 _ = shutdown.cancelled() => return,
                 next = messages.next() => match next {
                     Some(Ok(msg)) => {
+                        if let Err(e) = z29c_bus::decode_on(&msg.payload, Topic::StepReady) {
+                            let info = msg.info().ok();
+                            poison(&store, PoisonMessage {
+                                consumer: HINT_CONSUMER.into(),
+                                subject: msg.subject.to_string(),
+                                stream_sequence: info.as_ref().and_then(|i| i64::try_from(i.stream_sequence).ok()),
+                                deliveries: info.as_ref().map(|i| i.delivered),
+                                reason: e.to_string(),
+                                payload: msg.payload.to_vec(),
+                            }).await;
+                            let _ = msg.ack_with(async_nats::jetstream::AckKind::Term).await;
+                            continue;
+                        }
                         // a hint continues the publisher's trace; it carries no truth
                         let span = tracing::info_span!("step.ready.hint", trace_id = tracing::field::Empty);
                         let traceparent = msg
@@ -209,5 +235,64 @@ async fn listen_for_hints(bus: Bus, wake: Arc<Notify>, shutdown: CancellationTok
                 }
             }
         }
+    }
+}
+
+/// Records a refused message (and counts it); a recording that fails is logged, the message is
+/// terminated anyway: a hint is worth less than a stuck consumer.
+async fn poison(store: &Store, m: PoisonMessage) {
+    tracing::warn!(consumer = %m.consumer, subject = %m.subject, reason = %m.reason, "poison message terminated");
+    z29c_telemetry::metrics::counter!(
+        z29c_telemetry::POISON_MESSAGES,
+        "consumer" => m.consumer.clone()
+    )
+    .increment(1);
+    if let Err(e) = store.record_poison(&m).await {
+        tracing::error!(error = %e, "poison message not recorded");
+    }
+}
+
+/// Records JetStream's advisories that a hint ran out of deliveries (an executor that kept
+/// dying before acking it, say). The step it hinted at is still found by polling.
+async fn record_max_deliveries(bus: Bus, store: Store, shutdown: CancellationToken) {
+    let mut advisories = match bus.max_delivery_advisories(HINT_CONSUMER).await {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::warn!(error = %e, "max-delivery advisories unavailable");
+            return;
+        }
+    };
+    loop {
+        let advisory = tokio::select! {
+            _ = shutdown.cancelled() => return,
+            a = advisories.next() => match a {
+                Some(a) => a,
+                None => return,
+            },
+        };
+        let parsed: Result<z29c_bus::MaxDeliveries, _> = serde_json::from_slice(&advisory.payload);
+        let (sequence, deliveries, reason) = match parsed {
+            Ok(a) => (
+                i64::try_from(a.stream_seq).ok(),
+                i64::try_from(a.deliveries).ok(),
+                format!(
+                    "delivered {} times without acknowledgement (max_deliver)",
+                    a.deliveries
+                ),
+            ),
+            Err(e) => (None, None, format!("max-deliveries advisory: {e}")),
+        };
+        poison(
+            &store,
+            PoisonMessage {
+                consumer: HINT_CONSUMER.into(),
+                subject: advisory.subject.to_string(),
+                stream_sequence: sequence,
+                deliveries,
+                reason,
+                payload: advisory.payload.to_vec(),
+            },
+        )
+        .await;
     }
 }

@@ -4,6 +4,7 @@
 #![allow(missing_debug_implementations, unreachable_pub, clippy::all)]
 
 pub mod codec;
+pub mod envelope;
 
 /// Version 1 of the z29c protocol.
 pub mod v1 {
