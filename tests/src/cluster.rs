@@ -8,8 +8,11 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use tokio::process::{Child, Command};
+use z29c_proto::v1::review_service_client::ReviewServiceClient;
 use z29c_proto::v1::workflow_service_client::WorkflowServiceClient;
 use z29c_proto::v1::{self as pb};
+use z29c_security::pki::DevPki;
+use z29c_security::{Authed, Bearer, TlsConfig};
 
 use crate::TestDatabase;
 
@@ -127,6 +130,18 @@ pub struct Cluster {
     /// NATS this cluster talks to.
     pub nats_url: String,
     env: Vec<(String, String)>,
+    /// The throwaway CA and token secret of a secure cluster.
+    pub security: Option<ClusterSecurity>,
+}
+
+/// What a secure cluster's processes trust: one CA (members `services` and `operator`), a
+/// second, foreign CA (member `impostor`) for certificates nobody trusts, and the secret
+/// operator tokens are signed with.
+#[derive(Debug, Clone)]
+pub struct ClusterSecurity {
+    pub pki: DevPki,
+    pub foreign: DevPki,
+    pub secret: String,
 }
 
 /// Which processes a cluster runs.
@@ -146,6 +161,8 @@ pub struct Topology {
     pub postgres_admin_url: Option<String>,
     /// Environment every process of the cluster gets (an OTLP endpoint, say).
     pub env: Vec<(String, String)>,
+    /// Mutual TLS between every process and operator tokens required, as in production.
+    pub secure: bool,
 }
 
 impl Default for Topology {
@@ -160,6 +177,7 @@ impl Default for Topology {
             nats_url: None,
             postgres_admin_url: None,
             env: Vec::new(),
+            secure: false,
         }
     }
 }
@@ -187,7 +205,8 @@ impl Cluster {
             executor_stall_ms,
             nats_url: nats,
             postgres_admin_url,
-            env,
+            mut env,
+            secure,
         } = t;
         let bin = z29c_binary()?;
         let db = match &postgres_admin_url {
@@ -197,6 +216,30 @@ impl Cluster {
         let prefix = format!("s{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
         let dir = std::env::temp_dir().join(format!("z29c-{prefix}"));
         std::fs::create_dir_all(&dir)?;
+        let security = if secure {
+            let pki = DevPki::generate(&dir.join("pki"), &["services", "operator"])?;
+            let foreign = DevPki::generate(&dir.join("foreign"), &["impostor"])?;
+            let secret = z29c_security::token::random_secret();
+            let tls = pki.tls("services");
+            for (k, v) in [
+                ("Z29C_TLS__CA_FILE", tls.ca_file),
+                ("Z29C_TLS__CERT_FILE", tls.cert_file),
+                ("Z29C_TLS__KEY_FILE", tls.key_file),
+            ] {
+                let v = v.context("pki file")?;
+                env.push((k.into(), v.to_string_lossy().into_owned()));
+            }
+            env.push(("Z29C_AUTH__ENABLED".into(), "true".into()));
+            env.push(("Z29C_AUTH__HS256_SECRETS".into(), format!("[{secret}]")));
+            Some(ClusterSecurity {
+                pki,
+                foreign,
+                secret,
+            })
+        } else {
+            None
+        };
+        let scheme = if secure { "https" } else { "http" };
         // migrate once before anything starts
         db.store().await?;
         let destination_port = free_port()?;
@@ -218,6 +261,7 @@ impl Cluster {
             executor_stall_ms,
             nats_url: nats.unwrap_or_else(nats_url),
             env,
+            security,
         };
         let dest = cluster.spawn(
             "destination",
@@ -237,7 +281,7 @@ impl Cluster {
         )?;
         cluster.processes.push(sched);
         wait_for_port(port).await?;
-        cluster.scheduler_url = format!("http://127.0.0.1:{port}");
+        cluster.scheduler_url = format!("{scheme}://127.0.0.1:{port}");
         for _ in 0..executors {
             cluster.add_executor().await?;
         }
@@ -372,7 +416,8 @@ impl Cluster {
             .collect::<Vec<_>>(),
         )?;
         self.processes.push(p);
-        self.gateway_urls.push(format!("http://127.0.0.1:{port}"));
+        self.gateway_urls
+            .push(format!("{}://127.0.0.1:{port}", self.scheme()));
         wait_for_port(port).await
     }
 
@@ -403,7 +448,7 @@ impl Cluster {
         self.processes.push(p);
         wait_for_port(port).await?;
         if self.review_url.is_empty() {
-            self.review_url = format!("http://127.0.0.1:{port}");
+            self.review_url = format!("{}://127.0.0.1:{port}", self.scheme());
             self.recovery_metrics_url = format!("http://127.0.0.1:{metrics_port}/metrics");
         }
         Ok(())
@@ -489,8 +534,68 @@ impl Cluster {
         self.processes.iter_mut().find(|p| p.name == name)
     }
 
-    pub async fn client(&self) -> Result<WorkflowServiceClient<tonic::transport::Channel>> {
-        Ok(WorkflowServiceClient::connect(self.scheduler_url.clone()).await?)
+    fn scheme(&self) -> &'static str {
+        if self.security.is_some() {
+            "https"
+        } else {
+            "http"
+        }
+    }
+
+    /// A token signed with the cluster's secret (a secure cluster's only).
+    pub fn token(&self, subject: &str, roles: &[z29c_core::Role]) -> Result<String> {
+        let s = self.security.as_ref().context("not a secure cluster")?;
+        z29c_security::token::mint(&s.secret, "z29c", subject, roles, Duration::from_secs(600))
+    }
+
+    /// The operator's certificate in a secure cluster (none otherwise).
+    pub fn operator_tls(&self) -> TlsConfig {
+        self.security
+            .as_ref()
+            .map(|s| s.pki.tls("operator"))
+            .unwrap_or_default()
+    }
+
+    /// A connected channel to `url` with `tls`.
+    pub async fn channel(&self, url: &str, tls: &TlsConfig) -> Result<tonic::transport::Channel> {
+        Ok(tls
+            .endpoint(url)?
+            .connect_timeout(Duration::from_secs(5))
+            .connect()
+            .await?)
+    }
+
+    /// `WorkflowService` as the operator: with every role's token in a secure cluster.
+    pub async fn client(&self) -> Result<WorkflowServiceClient<Authed>> {
+        let token = match &self.security {
+            Some(_) => Some(self.token("test-operator", z29c_core::Role::ALL)?),
+            None => None,
+        };
+        self.client_with(&self.operator_tls(), token.as_deref())
+            .await
+    }
+
+    /// `WorkflowService` with this certificate and token.
+    pub async fn client_with(
+        &self,
+        tls: &TlsConfig,
+        token: Option<&str>,
+    ) -> Result<WorkflowServiceClient<Authed>> {
+        let channel = self.channel(&self.scheduler_url, tls).await?;
+        Ok(WorkflowServiceClient::with_interceptor(
+            channel,
+            Bearer::new(token)?,
+        ))
+    }
+
+    /// `ReviewService` of the first recovery instance, with the operator's certificate and
+    /// this token.
+    pub async fn reviews(&self, token: Option<&str>) -> Result<ReviewServiceClient<Authed>> {
+        let channel = self.channel(&self.review_url, &self.operator_tls()).await?;
+        Ok(ReviewServiceClient::with_interceptor(
+            channel,
+            Bearer::new(token)?,
+        ))
     }
 
     /// Switches faults on a destination route.

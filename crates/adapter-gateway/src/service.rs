@@ -3,11 +3,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use serde_json::Value;
 use tokio::sync::Semaphore;
 use tonic::{Request, Response, Status};
 use tracing::Instrument;
-use z29c_core::{AttemptId, RequestIdentity};
+use z29c_core::RequestIdentity;
 use z29c_proto::v1::adapter_gateway_server::AdapterGateway;
 use z29c_proto::v1::{
     self as pb, DescribeRequest, DescribeResponse, InvokeRequest, InvokeResponse, QueryRequest,
@@ -21,9 +20,7 @@ use z29c_store::{Store, StoreError};
 use crate::config::{AdapterConfig, GatewayConfig};
 use crate::http::{self, CallOutcome, QueryOutcome};
 
-/// Upper bound on one call, whatever deadline the caller sent.
-const MAX_CALL: Duration = Duration::from_secs(60);
-/// What a caller without a deadline gets.
+/// What a caller without a deadline gets (at most `grpc.max_deadline_ms`).
 const DEFAULT_CALL: Duration = Duration::from_secs(10);
 /// When the permits are all taken, come back after this.
 const PERMIT_RETRY: Duration = Duration::from_millis(200);
@@ -56,6 +53,10 @@ impl Gateway {
         }
     }
 
+    fn max_call(&self) -> Duration {
+        Duration::from_millis(self.config.grpc.max_deadline_ms.max(1))
+    }
+
     fn adapter(&self, name: &str) -> Result<&AdapterConfig, Status> {
         self.config
             .adapters
@@ -65,8 +66,10 @@ impl Gateway {
     }
 }
 
-/// The caller's deadline from `grpc-timeout`, capped; a little is kept back for the answer.
-fn call_timeout<T>(req: &Request<T>) -> Duration {
+/// The caller's deadline from `grpc-timeout`, capped at `max` (the server's deadline cap, so
+/// the gateway answers "unknown" itself before the transport would cut the call); a little is
+/// kept back for the answer.
+fn call_timeout<T>(req: &Request<T>, max: Duration) -> Duration {
     let parsed = req
         .metadata()
         .get("grpc-timeout")
@@ -84,7 +87,7 @@ fn call_timeout<T>(req: &Request<T>) -> Duration {
                 _ => return None,
             })
         });
-    let d = parsed.unwrap_or(DEFAULT_CALL).min(MAX_CALL);
+    let d = parsed.unwrap_or(DEFAULT_CALL).min(max);
     d.saturating_sub(Duration::from_millis(50).min(d / 10))
 }
 
@@ -105,44 +108,21 @@ fn turned_away(adapter: &AdapterConfig, result: &'static str) -> Response<Invoke
     })
 }
 
-fn valid_operation(op: &str) -> Result<(), Status> {
-    let ok = !op.is_empty()
-        && op.len() <= 100
-        && op
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
-    if ok {
-        Ok(())
-    } else {
-        Err(Status::invalid_argument(
-            "operation: use 1 to 100 letters, digits, '-', '_' or '.'",
-        ))
-    }
-}
-
 impl Gateway {
     /// One invocation: permit, the adapter's call, the permit's release, the answer.
     async fn call(
         &self,
         request: Request<InvokeRequest>,
     ) -> Result<Response<InvokeResponse>, Status> {
-        let timeout = call_timeout(&request);
+        let timeout = call_timeout(&request, self.max_call());
         let req = request.into_inner();
         let adapter = self.adapter(&req.adapter)?;
-        valid_operation(&req.operation)?;
-        let identity = RequestIdentity::parse(req.request_identity.clone())
-            .map_err(|e| Status::invalid_argument(e.to_string()))?;
-        let input: Value = serde_json::from_str(&req.input_json)
-            .map_err(|e| Status::invalid_argument(format!("input_json: {e}")))?;
-        let attempt = if req.attempt_id.is_empty() {
-            None
-        } else {
-            Some(
-                req.attempt_id
-                    .parse::<AttemptId>()
-                    .map_err(|e| Status::invalid_argument(e.to_string()))?,
-            )
-        };
+        let z29c_proto::validate::ValidInvoke {
+            identity,
+            input,
+            attempt,
+            ..
+        } = z29c_proto::validate::invoke(&req)?;
         // a full instance turns the call away before it takes a permit another could use
         let Ok(_slot) = self.calls.clone().try_acquire_owned() else {
             return Ok(turned_away(adapter, "instance_busy"));
@@ -302,7 +282,7 @@ impl AdapterGateway for Gateway {
             z29c_telemetry::trace::grpc_traceparent(&request).as_deref(),
         );
         async move {
-            let timeout = call_timeout(&request);
+            let timeout = call_timeout(&request, self.max_call());
             let req = request.into_inner();
             let adapter = self.adapter(&req.adapter)?;
             if adapter.capability == z29c_core::AdapterCapability::Opaque {
@@ -312,7 +292,7 @@ impl AdapterGateway for Gateway {
                 )));
             }
             let identity = RequestIdentity::parse(req.request_identity)
-                .map_err(|e| Status::invalid_argument(e.to_string()))?;
+                .map_err(|e| Status::invalid_argument(format!("request_identity: {}", e.reason)))?;
             let status = match http::query(
                 &self.client,
                 &adapter.base_url,

@@ -12,8 +12,6 @@ use z29c_proto::v1::workflow_service_client::WorkflowServiceClient;
 use z29c_proto::v1::{self as pb, ProductState};
 use z29c_security::{Authed, Bearer, TlsConfig};
 
-use crate::workflow_file;
-
 /// How results are printed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub(crate) enum Output {
@@ -36,6 +34,16 @@ pub(crate) enum Exit {
     /// 4: the service could not be reached or failed.
     #[error("the service could not be reached or failed")]
     Unavailable = 4,
+}
+
+/// Reads a workflow file, naming it in any error.
+pub(crate) fn read_workflow(
+    path: &Path,
+) -> anyhow::Result<z29c_proto::workflow_file::WorkflowFile> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("cannot read workflow file {}", path.display()))?;
+    z29c_proto::workflow_file::parse(&text)
+        .with_context(|| format!("workflow file {}", path.display()))
 }
 
 /// How the client reaches the services: an operator token and, with mutual TLS, a client
@@ -139,8 +147,8 @@ pub(crate) async fn submit(
     output: Output,
     access: &Access,
 ) -> anyhow::Result<()> {
-    let req = workflow_file::read(file)
-        .and_then(|f| f.into_request())
+    let req = read_workflow(file)
+        .and_then(|f| Ok(f.into_request()?))
         .map_err(|e| e.context(Exit::BadInput))?;
     let mut client = connect(server, access).await?;
     let resp = client

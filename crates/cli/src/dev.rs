@@ -12,8 +12,8 @@ use z29c_executor::ExecutorConfig;
 use z29c_proto::v1::{self as pb, ProductState};
 use z29c_scheduler::SchedulerConfig;
 
+use crate::client;
 use crate::infra::Infra;
-use crate::{client, workflow_file};
 
 #[derive(Debug, clap::Args)]
 pub(crate) struct DevArgs {
@@ -257,8 +257,8 @@ pub(crate) async fn run(args: DevArgs) -> anyhow::Result<()> {
     }
 
     let file = match &args.workflow {
-        Some(path) => workflow_file::read(path)?,
-        None => workflow_file::parse(DEMO)?,
+        Some(path) => client::read_workflow(path)?,
+        None => z29c_proto::workflow_file::parse(DEMO)?,
     };
     let access = client::Access::new(security.token.clone(), &security.tls);
     let mut client = client::connect(&server, &access).await?;

@@ -4,7 +4,6 @@
 mod client;
 mod dev;
 mod infra;
-mod workflow_file;
 
 use std::path::PathBuf;
 

@@ -1,47 +1,46 @@
-//! Workflow files (YAML) and their conversion to a submission.
+//! Workflow files (YAML), as `z29c submit` and `z29c dev --workflow` read them, and their
+//! conversion to a submission. Errors name the field; the scheduler checks the rest.
 
 use std::collections::BTreeMap;
-use std::path::Path;
 
-use anyhow::Context;
 use serde::Deserialize;
-use z29c_proto::v1 as pb;
+
+use crate::v1 as pb;
+
+/// A workflow file that could not be read, naming where.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct WorkflowFileError(String);
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub(crate) struct WorkflowFile {
+pub struct WorkflowFile {
     /// Idempotency key; a fresh one is made when absent.
-    pub(crate) client_key: Option<String>,
-    pub(crate) name: String,
-    pub(crate) steps: Vec<StepFile>,
+    pub client_key: Option<String>,
+    pub name: String,
+    pub steps: Vec<StepFile>,
 }
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub(crate) struct StepFile {
-    pub(crate) name: String,
-    pub(crate) adapter: String,
-    pub(crate) operation: String,
+pub struct StepFile {
+    pub name: String,
+    pub adapter: String,
+    pub operation: String,
     #[serde(default)]
-    pub(crate) input: serde_json::Value,
+    pub input: serde_json::Value,
     #[serde(default)]
-    pub(crate) depends_on: Vec<String>,
+    pub depends_on: Vec<String>,
     #[serde(default)]
-    pub(crate) policy: BTreeMap<String, u64>,
+    pub policy: BTreeMap<String, u64>,
 }
 
-pub(crate) fn read(path: &Path) -> anyhow::Result<WorkflowFile> {
-    let text = std::fs::read_to_string(path)
-        .with_context(|| format!("cannot read workflow file {}", path.display()))?;
-    parse(&text).with_context(|| format!("workflow file {}", path.display()))
-}
-
-pub(crate) fn parse(text: &str) -> anyhow::Result<WorkflowFile> {
-    Ok(serde_yaml_ng::from_str(text)?)
+pub fn parse(text: &str) -> Result<WorkflowFile, WorkflowFileError> {
+    serde_yaml_ng::from_str(text).map_err(|e| WorkflowFileError(e.to_string()))
 }
 
 impl WorkflowFile {
-    pub(crate) fn into_request(self) -> anyhow::Result<pb::SubmitRequest> {
+    pub fn into_request(self) -> Result<pb::SubmitRequest, WorkflowFileError> {
         let client_key = self
             .client_key
             .unwrap_or_else(|| format!("cli-{}", uuid::Uuid::now_v7()));
@@ -56,11 +55,16 @@ impl WorkflowFile {
                     "final_grace_ms" => policy.final_grace_ms = v,
                     "adapter_timeout_ms" => policy.adapter_timeout_ms = v,
                     "max_attempts" => {
-                        policy.max_attempts = u32::try_from(v)
-                            .with_context(|| format!("steps[{i}].policy.max_attempts: too large"))?
+                        policy.max_attempts = u32::try_from(v).map_err(|_| {
+                            WorkflowFileError(format!("steps[{i}].policy.max_attempts: too large"))
+                        })?
                     }
                     "progress_observable" => policy.progress_observable = v != 0,
-                    other => anyhow::bail!("steps[{i}].policy.{other}: unknown policy field"),
+                    other => {
+                        return Err(WorkflowFileError(format!(
+                            "steps[{i}].policy.{other}: unknown policy field"
+                        )));
+                    }
                 }
             }
             steps.push(pb::StepDefinition {

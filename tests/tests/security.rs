@@ -1,0 +1,353 @@
+//! Security and bad input against a secure cluster (mutual TLS between every process, operator
+//! tokens required), as real processes: who may call what, and a clear answer for everything
+//! malformed, with nothing changed by a refusal.
+
+use std::time::{Duration, Instant};
+
+use anyhow::Result;
+use serde_json::json;
+use sqlx::PgPool;
+use tonic::Code;
+use z29c_core::Role;
+use z29c_proto::v1::adapter_gateway_client::AdapterGatewayClient;
+use z29c_proto::v1::{self as pb};
+use z29c_scenarios::cluster::{Cluster, Topology, chain};
+use z29c_security::TlsConfig;
+
+async fn secure(capability: &'static str, env: &[(&str, &str)]) -> Result<(Cluster, PgPool)> {
+    let cluster = Cluster::start_with(Topology {
+        recoveries: 1,
+        capability,
+        secure: true,
+        env: env
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect(),
+        ..Topology::default()
+    })
+    .await?;
+    let pool = cluster.db.pool(2).await?;
+    Ok((cluster, pool))
+}
+
+async fn count(pool: &PgPool, table: &str) -> Result<i64> {
+    Ok(
+        sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT count(*) FROM {table}")))
+            .fetch_one(pool)
+            .await?,
+    )
+}
+
+/// The audit log's outcomes, oldest first, once `n` rows are there (written in the background).
+async fn audit_outcomes(pool: &PgPool, n: usize) -> Result<Vec<(String, String, Option<String>)>> {
+    let start = Instant::now();
+    loop {
+        let rows: Vec<(String, String, Option<String>)> =
+            sqlx::query_as("SELECT method, outcome, subject FROM audit_log ORDER BY id")
+                .fetch_all(pool)
+                .await?;
+        if rows.len() >= n || start.elapsed() > Duration::from_secs(10) {
+            return Ok(rows);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_and_roles_decide_who_may_do_what_and_every_refusal_is_audited() -> Result<()> {
+    let (cluster, pool) = secure("idempotent", &[]).await?;
+    let tls = cluster.operator_tls();
+    let operator = cluster.token("olga", &[Role::Operator])?;
+    let viewer = cluster.token("vic", &[Role::Viewer])?;
+    let stranger = z29c_security::token::mint(
+        &z29c_security::token::random_secret(),
+        "z29c",
+        "mallory",
+        Role::ALL,
+        Duration::from_secs(60),
+    )?;
+    let expired = z29c_security::token::mint(
+        &cluster.security.as_ref().unwrap().secret,
+        "z29c",
+        "olga",
+        &[Role::Operator],
+        Duration::ZERO,
+    )?;
+    // the token's expiry is in the past beyond the 5 s leeway
+    tokio::time::sleep(Duration::from_millis(6_100)).await;
+
+    // an operator submits over mutual TLS; the executor calls the gateway over mutual TLS
+    let mut olga = cluster.client_with(&tls, Some(&operator)).await?;
+    let wf = olga.submit(chain("sec-1", "ok", 2)).await?.into_inner();
+    let id = wf.workflow.unwrap().id;
+    cluster
+        .wait_all_ended(std::slice::from_ref(&id), Duration::from_secs(60))
+        .await?;
+    let done = olga
+        .get(pb::GetRequest {
+            workflow_id: id.clone(),
+        })
+        .await?
+        .into_inner();
+    assert_eq!(done.state(), pb::ProductState::Completed);
+
+    let workflows = count(&pool, "workflows").await?;
+    for (token, code, why) in [
+        (None, Code::Unauthenticated, "no credentials"),
+        (
+            Some(expired.as_str()),
+            Code::Unauthenticated,
+            "the token has expired",
+        ),
+        (
+            Some(stranger.as_str()),
+            Code::Unauthenticated,
+            "does not verify",
+        ),
+        (
+            Some(viewer.as_str()),
+            Code::PermissionDenied,
+            "needs the role operator",
+        ),
+    ] {
+        let mut c = cluster.client_with(&tls, token).await?;
+        let e = c.submit(chain("sec-2", "ok", 1)).await.unwrap_err();
+        assert_eq!(e.code(), code, "{}", e.message());
+        assert!(e.message().contains(why), "{why}: {}", e.message());
+    }
+    assert_eq!(
+        count(&pool, "workflows").await?,
+        workflows,
+        "a refusal changes nothing"
+    );
+    // a viewer reads; it may not cancel
+    let mut vic = cluster.client_with(&tls, Some(&viewer)).await?;
+    vic.get(pb::GetRequest {
+        workflow_id: id.clone(),
+    })
+    .await?;
+    let e = vic
+        .cancel(pb::CancelRequest {
+            workflow_id: id.clone(),
+            reason: "no".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::PermissionDenied);
+
+    let audit = audit_outcomes(&pool, 6).await?;
+    let expected = [
+        ("Submit", "allowed", Some("olga")),
+        ("Submit", "unauthenticated", None),
+        ("Submit", "unauthenticated", None),
+        ("Submit", "unauthenticated", None),
+        ("Submit", "permission_denied", Some("vic")),
+        ("Cancel", "permission_denied", Some("vic")),
+    ];
+    let got: Vec<(&str, &str, Option<&str>)> = audit
+        .iter()
+        .map(|(m, o, s)| (m.as_str(), o.as_str(), s.as_deref()))
+        .collect();
+    assert_eq!(got, expected);
+    pool.close().await;
+    cluster.stop().await
+}
+
+/// Whether a server answers its gRPC health check over `channel`.
+async fn answers(channel: tonic::transport::Channel) -> bool {
+    tonic_health::pb::health_client::HealthClient::new(channel)
+        .check(tonic_health::pb::HealthCheckRequest {
+            service: String::new(),
+        })
+        .await
+        .is_ok()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_certificate_from_the_ca_no_service_can_be_called() -> Result<()> {
+    let (cluster, pool) = secure("idempotent", &[]).await?;
+    let token = cluster.token("olga", Role::ALL)?;
+    let security = cluster.security.clone().unwrap();
+    let ca_pem = std::fs::read(security.pki.dir.join("ca.pem"))?;
+    // the impostor's certificate is signed by another CA, but it trusts the right CA
+    let impostor = TlsConfig {
+        ca_file: security.pki.tls("operator").ca_file,
+        ..security.foreign.tls("impostor")
+    };
+    let gateway = cluster.gateway_urls[0].clone();
+    for url in [&cluster.scheduler_url, &cluster.review_url, &gateway] {
+        // plaintext to a TLS port
+        let plain = url.replacen("https://", "http://", 1);
+        let refused = async |tls: &TlsConfig, url: &str| -> bool {
+            let Ok(channel) = cluster.channel(url, tls).await else {
+                return true;
+            };
+            !answers(channel).await
+        };
+        assert!(
+            refused(&TlsConfig::default(), &plain).await,
+            "plaintext to {url}"
+        );
+        // TLS that trusts the CA but presents no client certificate
+        let no_cert = async {
+            let endpoint = tonic::transport::Endpoint::from_shared(url.clone())?.tls_config(
+                tonic::transport::ClientTlsConfig::new()
+                    .ca_certificate(tonic::transport::Certificate::from_pem(&ca_pem)),
+            )?;
+            let Ok(channel) = endpoint.connect().await else {
+                return Ok::<bool, anyhow::Error>(true);
+            };
+            Ok(!answers(channel).await)
+        };
+        assert!(no_cert.await?, "no client certificate to {url}");
+        assert!(refused(&impostor, url).await, "impostor to {url}");
+    }
+    // and the CA's certificates work, on every service: the positive control
+    for url in [&cluster.scheduler_url, &cluster.review_url, &gateway] {
+        let channel = cluster.channel(url, &security.pki.tls("operator")).await?;
+        assert!(answers(channel).await, "{url}");
+    }
+    let channel = cluster
+        .channel(&gateway, &security.pki.tls("services"))
+        .await?;
+    let described = AdapterGatewayClient::new(channel)
+        .describe(pb::DescribeRequest {})
+        .await?
+        .into_inner();
+    assert!(!described.gateway_id.is_empty());
+    // an impostor cannot reach WorkflowService even with a valid token
+    let e = match cluster.client_with(&impostor, Some(&token)).await {
+        Err(_) => None,
+        Ok(mut c) => c.list(pb::ListRequest::default()).await.err(),
+    };
+    assert!(e.is_none() || e.unwrap().code() != Code::Ok);
+    assert_eq!(
+        count(&pool, "audit_log").await?,
+        0,
+        "nothing got as far as the door"
+    );
+    pool.close().await;
+    cluster.stop().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_a_resolver_resolves_and_the_record_names_the_token_not_a_header() -> Result<()> {
+    use pb::resolve_request::Resolution;
+    let (cluster, pool) = secure("opaque", &[]).await?;
+    cluster
+        .set_faults("flaky", json!({ "drop_response": true }))
+        .await?;
+    let mut req = chain("review-1", "flaky", 1);
+    req.steps[0].policy = Some(pb::LeasePolicy {
+        lease_ms: 2_000,
+        renew_every_ms: 500,
+        attempt_deadline_ms: 4_000,
+        final_grace_ms: 500,
+        adapter_timeout_ms: 800,
+        ..Default::default()
+    });
+    let id = cluster
+        .client()
+        .await?
+        .submit(req)
+        .await?
+        .into_inner()
+        .workflow
+        .unwrap()
+        .id;
+    cluster
+        .wait_all_ended(std::slice::from_ref(&id), Duration::from_secs(60))
+        .await?;
+    let viewer = cluster.token("vic", &[Role::Viewer])?;
+    let operator = cluster.token("olga", &[Role::Operator])?;
+    let resolver = cluster.token("rita", &[Role::Resolver])?;
+    let items = cluster
+        .reviews(Some(&viewer))
+        .await?
+        .list(pb::ListReviewsRequest::default())
+        .await?
+        .into_inner()
+        .items;
+    assert_eq!(items.len(), 1, "the unknown outcome waits for a person");
+    let item = items[0].clone();
+    let resolve = |version: i64, reason: &str, forged: bool| {
+        let mut r = tonic::Request::new(pb::ResolveRequest {
+            item_id: item.id.clone(),
+            expected_version: version,
+            reason: reason.into(),
+            resolution: Some(Resolution::Failed(true)),
+        });
+        if forged {
+            r.metadata_mut()
+                .insert("x-z29c-operator", "someone-else".parse().unwrap());
+        }
+        r
+    };
+    for (token, code) in [
+        (None, Code::Unauthenticated),
+        (Some(&viewer), Code::PermissionDenied),
+        (Some(&operator), Code::PermissionDenied),
+    ] {
+        let e = cluster
+            .reviews(token.map(String::as_str))
+            .await?
+            .resolve(resolve(item.version, "checked the destination", false))
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), code, "{}", e.message());
+    }
+    let mut rita = cluster.reviews(Some(&resolver)).await?;
+    let e = rita
+        .resolve(resolve(item.version, "  ", false))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "a missing reason");
+    let e = rita
+        .resolve(resolve(item.version + 1, "checked", false))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition, "a stale version");
+    assert_eq!(
+        count(&pool, "review_resolutions").await?,
+        0,
+        "refusals change nothing"
+    );
+    let done = rita
+        .resolve(resolve(
+            item.version,
+            "checked the destination: nothing there",
+            true,
+        ))
+        .await?
+        .into_inner();
+    assert_eq!(done.state, "resolved");
+    let e = rita
+        .resolve(resolve(done.version, "again", false))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition, "not open any more");
+    let by: String = sqlx::query_scalar("SELECT resolved_by FROM review_resolutions")
+        .fetch_one(&pool)
+        .await?;
+    assert_eq!(
+        by, "rita",
+        "the token's subject, not a header anyone can set"
+    );
+    let audit = audit_outcomes(&pool, 5).await?;
+    let resolve_rows: Vec<(&str, Option<&str>)> = audit
+        .iter()
+        .filter(|(m, _, _)| m == "Resolve")
+        .map(|(_, o, s)| (o.as_str(), s.as_deref()))
+        .collect();
+    assert_eq!(
+        resolve_rows[..4],
+        [
+            ("unauthenticated", None),
+            ("permission_denied", Some("vic")),
+            ("permission_denied", Some("olga")),
+            ("allowed", Some("rita")),
+        ]
+    );
+    pool.close().await;
+    cluster.stop().await
+}
