@@ -19,6 +19,10 @@ pub struct GatewayConfig {
     pub database_url: String,
     pub max_connections: u32,
     pub nats_url: String,
+    /// TLS to NATS (with `tls://` URLs): CA for the server's certificate, and this process's
+    /// certificate for servers that verify clients. PostgreSQL's TLS is set in
+    /// `database_url` (`sslmode=verify-full&sslrootcert=…&sslcert=…&sslkey=…`).
+    pub nats_tls: z29c_security::TlsConfig,
     /// NATS subject/stream prefix shared by one deployment.
     pub prefix: String,
     pub adapters: Vec<AdapterConfig>,
@@ -56,6 +60,7 @@ impl Default for GatewayConfig {
             database_url: "postgres://postgres:postgres@127.0.0.1:5432/z29c".into(),
             max_connections: 8,
             nats_url: "nats://127.0.0.1:4222".into(),
+            nats_tls: Default::default(),
             prefix: "z29c".into(),
             adapters: vec![AdapterConfig::default()],
             max_calls: 256,

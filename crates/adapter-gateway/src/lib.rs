@@ -53,7 +53,7 @@ pub async fn run(
                 .await?;
         }
     }
-    let bus = Bus::connect(&config.nats_url, &config.prefix)
+    let bus = Bus::connect_with(&config.nats_url, &config.prefix, &config.nats_tls)
         .await
         .context("connect to NATS")?;
     let listener = tokio::net::TcpListener::bind(config.listen)

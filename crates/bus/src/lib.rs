@@ -169,12 +169,29 @@ impl Bus {
     /// Connects and makes sure the stream exists (file storage, a de-duplication window that
     /// outlasts an outbox claim, bounded age).
     pub async fn connect(url: &str, prefix: &str) -> Result<Self> {
+        Self::connect_with(url, prefix, &z29c_security::TlsConfig::default()).await
+    }
+
+    /// [`Bus::connect`] with TLS to NATS: the server's certificate checked against
+    /// `tls.ca_file`, and this process's certificate presented (for servers that verify
+    /// clients). Without files, TLS is still used for `tls://` URLs, with the system's roots.
+    pub async fn connect_with(
+        url: &str,
+        prefix: &str,
+        tls: &z29c_security::TlsConfig,
+    ) -> Result<Self> {
         let names = Names::new(prefix)?;
-        let client = async_nats::ConnectOptions::new()
-            .name("z29c")
-            .connect(url)
-            .await
-            .map_err(nats)?;
+        let mut options = async_nats::ConnectOptions::new().name("z29c");
+        if tls.enabled().map_err(nats)? {
+            if let Some(ca) = &tls.ca_file {
+                options = options.add_root_certificates(ca.clone());
+            }
+            if let (Some(cert), Some(key)) = (&tls.cert_file, &tls.key_file) {
+                options = options.add_client_certificate(cert.clone(), key.clone());
+            }
+            options = options.require_tls(true);
+        }
+        let client = options.connect(url).await.map_err(nats)?;
         let js = jetstream::new(client.clone());
         js.get_or_create_stream(stream::Config {
             name: names.stream(),

@@ -57,7 +57,7 @@ pub async fn run(config: ExecutorConfig, shutdown: CancellationToken) -> anyhow:
     let store = Store::connect(&config.database_url, config.max_connections)
         .await
         .context("connect to PostgreSQL")?;
-    let bus = Bus::connect(&config.nats_url, &config.prefix)
+    let bus = Bus::connect_with(&config.nats_url, &config.prefix, &config.nats_tls)
         .await
         .context("connect to NATS")?;
     if let Some(addr) = config.health_listen {

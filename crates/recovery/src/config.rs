@@ -14,6 +14,10 @@ pub struct RecoveryConfig {
     pub database_url: String,
     pub max_connections: u32,
     pub nats_url: String,
+    /// TLS to NATS (with `tls://` URLs): CA for the server's certificate, and this process's
+    /// certificate for servers that verify clients. PostgreSQL's TLS is set in
+    /// `database_url` (`sslmode=verify-full&sslrootcert=…&sslcert=…&sslkey=…`).
+    pub nats_tls: z29c_security::TlsConfig,
     pub prefix: String,
     /// How often to look for expired leases.
     pub scan_ms: u64,
@@ -41,6 +45,7 @@ impl Default for RecoveryConfig {
             database_url: "postgres://postgres:postgres@127.0.0.1:5432/z29c".into(),
             max_connections: 4,
             nats_url: "nats://127.0.0.1:4222".into(),
+            nats_tls: Default::default(),
             prefix: "z29c".into(),
             scan_ms: 500,
             batch: 50,

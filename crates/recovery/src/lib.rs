@@ -36,7 +36,7 @@ pub async fn run(
     let store = Store::connect(&config.database_url, config.max_connections)
         .await
         .context("connect to PostgreSQL")?;
-    let bus = Bus::connect(&config.nats_url, &config.prefix)
+    let bus = Bus::connect_with(&config.nats_url, &config.prefix, &config.nats_tls)
         .await
         .context("connect to NATS")?;
     let health = z29c_runtime::health_service(

@@ -16,6 +16,10 @@ pub struct SchedulerConfig {
     pub database_url: String,
     pub max_connections: u32,
     pub nats_url: String,
+    /// TLS to NATS (with `tls://` URLs): CA for the server's certificate, and this process's
+    /// certificate for servers that verify clients. PostgreSQL's TLS is set in
+    /// `database_url` (`sslmode=verify-full&sslrootcert=…&sslcert=…&sslkey=…`).
+    pub nats_tls: z29c_security::TlsConfig,
     pub prefix: String,
     /// Apply migrations at start (under an advisory lock, so several instances may).
     pub migrate: bool,
@@ -44,6 +48,7 @@ impl Default for SchedulerConfig {
             database_url: "postgres://postgres:postgres@127.0.0.1:5432/z29c".into(),
             max_connections: 10,
             nats_url: "nats://127.0.0.1:4222".into(),
+            nats_tls: Default::default(),
             prefix: "z29c".into(),
             migrate: true,
             max_steps: 1_000,

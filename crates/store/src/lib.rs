@@ -48,6 +48,8 @@ pub const CONNECT_PATIENCE: Duration = Duration::from_secs(30);
 /// of connection slots. Configuration errors (bad URL, credentials, database) are not.
 fn transient(e: &sqlx::Error) -> bool {
     match e {
+        // a certificate the server or this side refuses will be refused again
+        sqlx::Error::Io(io) if io.kind() == std::io::ErrorKind::InvalidData => false,
         sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut => true,
         sqlx::Error::Database(db) => matches!(
             db.code().as_deref(),
