@@ -100,3 +100,47 @@ async fn gateways_register_and_are_listed() {
     assert!(bus.gateways().await.unwrap().is_empty());
     bus.delete_stream().await.unwrap();
 }
+
+#[tokio::test]
+async fn a_message_out_of_deliveries_raises_an_advisory_z29c_can_read() {
+    let bus = Bus::connect(&nats_url(), &prefix()).await.unwrap();
+    let mut advisories = bus.max_delivery_advisories("stubborn").await.unwrap();
+    bus.client().flush().await.unwrap();
+    let (wf, st) = ids();
+    let published = bus.publish(&step_ready("m-1", &wf, &st)).await.unwrap();
+    let consumer = bus
+        .pull_consumer("stubborn", Topic::StepReady, Duration::from_millis(300), 2)
+        .await
+        .unwrap();
+    // fetched and never acknowledged: delivered twice (max_deliver 2), then the server gives
+    // up on it and says so; pulls keep going so the server has somewhere to redeliver to
+    let mut deliveries = 0;
+    let mut advisory = None;
+    let start = std::time::Instant::now();
+    while advisory.is_none() && start.elapsed() < Duration::from_secs(15) {
+        let mut batch = consumer
+            .fetch()
+            .max_messages(1)
+            .expires(Duration::from_millis(400))
+            .messages()
+            .await
+            .unwrap();
+        while let Some(m) = batch.next().await {
+            if m.is_ok() {
+                deliveries += 1;
+            }
+        }
+        if let Ok(Some(a)) =
+            tokio::time::timeout(Duration::from_millis(10), advisories.next()).await
+        {
+            advisory = Some(a);
+        }
+    }
+    let advisory = advisory.expect("a max-deliveries advisory within 15 s");
+    assert_eq!(deliveries, 2, "delivered max_deliver times, never more");
+    let a: z29c_bus::MaxDeliveries = serde_json::from_slice(&advisory.payload).unwrap();
+    assert_eq!(a.consumer, "stubborn");
+    assert_eq!(a.stream_seq, published.sequence);
+    assert_eq!(a.deliveries, 2);
+    bus.delete_stream().await.unwrap();
+}
