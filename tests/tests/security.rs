@@ -351,3 +351,114 @@ async fn only_a_resolver_resolves_and_the_record_names_the_token_not_a_header() 
     pool.close().await;
     cluster.stop().await
 }
+
+/// `name=value` of each cookie a response sets.
+fn cookies(r: &reqwest::Response) -> Vec<String> {
+    r.headers()
+        .get_all(reqwest::header::SET_COOKIE)
+        .iter()
+        .filter_map(|v| v.to_str().ok()?.split(';').next().map(str::to_owned))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_console_asks_for_sign_in_and_refuses_forged_forms() -> Result<()> {
+    let (mut cluster, pool) = secure("idempotent", &[]).await?;
+    let console = cluster.add_console(&[]).await?;
+    let http = reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .build()?;
+    // not signed in: the API refuses, the page sends you to sign in
+    let r = http.get(format!("{console}/api/workflows")).send().await?;
+    assert_eq!(r.status(), 401);
+    let r = http.get(format!("{console}/")).send().await?;
+    assert!(r.status().is_redirection());
+    assert_eq!(r.headers()["location"], "/login");
+    let page = http
+        .get(format!("{console}/login"))
+        .send()
+        .await?
+        .text()
+        .await?;
+    let csrf = page
+        .split("name=\"csrf\" value=\"")
+        .nth(1)
+        .and_then(|rest| rest.split('"').next())
+        .expect("the sign-in form carries a CSRF token")
+        .to_owned();
+    let sign_in = |token: &str, csrf: &str| {
+        http.post(format!("{console}/login"))
+            .header("content-type", "application/x-www-form-urlencoded")
+            .body(format!("token={token}&csrf={csrf}"))
+            .send()
+    };
+    let viewer = cluster.token("vic", &[Role::Viewer])?;
+    let r = sign_in("not-a-token", &csrf).await?;
+    assert_eq!(r.status(), 401);
+    assert!(r.text().await?.contains("sign-in refused"));
+    let r = sign_in(&viewer, "forged").await?;
+    assert_eq!(r.status(), 403, "a sign-in form from another site");
+    let r = sign_in(&viewer, &csrf).await?;
+    assert!(r.status().is_redirection());
+    let set = cookies(&r);
+    assert!(
+        set.iter().any(|c| c.starts_with("z29c_session=")),
+        "{set:?}"
+    );
+    let session_csrf = set
+        .iter()
+        .find_map(|c| c.strip_prefix("z29c_csrf="))
+        .expect("a CSRF cookie for the session")
+        .to_owned();
+    let cookie = set.join("; ");
+    let r = http
+        .get(format!("{console}/api/workflows"))
+        .header("cookie", &cookie)
+        .send()
+        .await?;
+    assert_eq!(r.status(), 200, "{}", r.text().await?);
+    // a resolve without the CSRF header, from another origin, or by a viewer: refused
+    let resolve = |csrf: Option<&str>, origin: Option<&str>| {
+        let mut req = http
+            .post(format!(
+                "{console}/api/reviews/{}/resolve",
+                uuid::Uuid::new_v4()
+            ))
+            .header("cookie", &cookie)
+            .json(&json!({
+                "expected_version": 1,
+                "resolution": "failed",
+                "reason": "checked",
+            }));
+        if let Some(c) = csrf {
+            req = req.header("x-csrf-token", c);
+        }
+        if let Some(o) = origin {
+            req = req.header("origin", o);
+        }
+        req.send()
+    };
+    let r = resolve(None, None).await?;
+    assert_eq!(r.status(), 403);
+    assert!(r.text().await?.contains("x-csrf-token"));
+    let r = resolve(Some(&session_csrf), Some("http://evil.example")).await?;
+    assert_eq!(r.status(), 403);
+    assert!(r.text().await?.contains("another origin"));
+    let r = resolve(Some(&session_csrf), None).await?;
+    assert_eq!(r.status(), 403);
+    let body = r.text().await?;
+    assert!(
+        body.contains("PermissionDenied") && body.contains("resolver"),
+        "{body}"
+    );
+    // the service, not the console, decided: it audited the viewer's attempt
+    let audit = audit_outcomes(&pool, 1).await?;
+    assert!(
+        audit.iter().any(|(m, o, s)| m == "Resolve"
+            && o == "permission_denied"
+            && s.as_deref() == Some("vic")),
+        "{audit:?}"
+    );
+    pool.close().await;
+    cluster.stop().await
+}
