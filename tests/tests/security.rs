@@ -226,6 +226,37 @@ async fn without_a_certificate_from_the_ca_no_service_can_be_called() -> Result<
         0,
         "nothing got as far as the door"
     );
+    // a probe port answers health alone, in plaintext, for kubelet: nothing else is there
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port();
+    let health = format!("127.0.0.1:{port}");
+    let mut cluster = cluster;
+    cluster
+        .add_gateway_with(16, &[("Z29C_HEALTH_LISTEN", health.as_str())])
+        .await?;
+    let probe_url = format!("http://{health}");
+    let mut serving = false;
+    for _ in 0..50 {
+        if let Ok(channel) = cluster.channel(&probe_url, &TlsConfig::default()).await
+            && answers(channel).await
+        {
+            serving = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(serving, "the plaintext health port answers");
+    let channel = cluster.channel(&probe_url, &TlsConfig::default()).await?;
+    let e = AdapterGatewayClient::new(channel)
+        .describe(pb::DescribeRequest {})
+        .await
+        .unwrap_err();
+    assert_eq!(
+        e.code(),
+        Code::Unimplemented,
+        "only health is served in plaintext"
+    );
     pool.close().await;
     cluster.stop().await
 }

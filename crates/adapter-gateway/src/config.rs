@@ -30,6 +30,9 @@ pub struct GatewayConfig {
     /// retry shortly" so the executor gives the step back. Adding an instance adds this much
     /// capacity, up to each adapter's permit limit.
     pub max_calls: usize,
+    /// Where the gRPC health protocol alone is served without TLS (kubelet probes cannot
+    /// present a client certificate), if anywhere.
+    pub health_listen: Option<std::net::SocketAddr>,
     /// Where `/metrics` is served (Prometheus), if anywhere.
     pub metrics_listen: Option<SocketAddr>,
     /// Group commit: permits taken and released by concurrent calls share transactions (a
@@ -64,6 +67,7 @@ impl Default for GatewayConfig {
             prefix: "z29c".into(),
             adapters: vec![AdapterConfig::default()],
             max_calls: 256,
+            health_listen: None,
             metrics_listen: None,
             group_commit: false,
             committers: 1,

@@ -105,6 +105,16 @@ pub async fn run(
             }
         })
     };
+    if let Some(addr) = config.health_listen {
+        z29c_runtime::serve_plain_health(
+            addr,
+            "z29c.v1.AdapterGateway",
+            store.clone(),
+            bus.clone(),
+            shutdown.clone(),
+        )
+        .await?;
+    }
     let health = z29c_runtime::health_service(
         "z29c.v1.AdapterGateway",
         store.clone(),

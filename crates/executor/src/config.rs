@@ -35,7 +35,7 @@ pub struct ExecutorConfig {
     /// Where the gRPC health protocol is served (SERVING while PostgreSQL answers and NATS
     /// is connected), if anywhere: the executor has no other server.
     pub health_listen: Option<std::net::SocketAddr>,
-    /// Mutual TLS: the certificate presented to gateways, and required by the health server.
+    /// Mutual TLS: the certificate presented to gateways.
     pub tls: z29c_security::TlsConfig,
     /// Fault injection (only with the `faults` feature): stall this long after the gateway
     /// answered and before committing, as a paused process would.

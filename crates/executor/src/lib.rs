@@ -61,25 +61,14 @@ pub async fn run(config: ExecutorConfig, shutdown: CancellationToken) -> anyhow:
         .await
         .context("connect to NATS")?;
     if let Some(addr) = config.health_listen {
-        let listener = tokio::net::TcpListener::bind(addr)
-            .await
-            .with_context(|| format!("bind health_listen {addr}"))?;
-        tracing::info!(addr = %listener.local_addr()?, "gRPC health listening");
-        let health = z29c_runtime::health_service(
+        z29c_runtime::serve_plain_health(
+            addr,
             "z29c.v1.Executor",
             store.clone(),
             bus.clone(),
             shutdown.clone(),
-        );
-        let token = shutdown.clone();
-        tokio::spawn(
-            z29c_runtime::server::builder(&config.tls, &Default::default())?
-                .add_service(health)
-                .serve_with_incoming_shutdown(
-                    tokio_stream::wrappers::TcpListenerStream::new(listener),
-                    token.cancelled_owned(),
-                ),
-        );
+        )
+        .await?;
     }
     let gateways = z29c_bus::gateways::Gateways::new(bus.clone(), config.tls.clone());
     let commits = config.group_commit.then(|| {

@@ -9,6 +9,9 @@ pub struct RecoveryConfig {
     pub id: String,
     /// Where `ReviewService` listens.
     pub listen: std::net::SocketAddr,
+    /// Where the gRPC health protocol alone is served without TLS (kubelet probes cannot
+    /// present a client certificate), if anywhere.
+    pub health_listen: Option<std::net::SocketAddr>,
     /// Where `/metrics` is served (Prometheus), if anywhere.
     pub metrics_listen: Option<std::net::SocketAddr>,
     pub database_url: String,
@@ -41,6 +44,7 @@ impl Default for RecoveryConfig {
         Self {
             id: "recovery-1".into(),
             listen: "127.0.0.1:50053".parse().expect("literal address"),
+            health_listen: None,
             metrics_listen: None,
             database_url: "postgres://postgres:postgres@127.0.0.1:5432/z29c".into(),
             max_connections: 4,

@@ -39,6 +39,16 @@ pub async fn run(
     let bus = Bus::connect_with(&config.nats_url, &config.prefix, &config.nats_tls)
         .await
         .context("connect to NATS")?;
+    if let Some(addr) = config.health_listen {
+        z29c_runtime::serve_plain_health(
+            addr,
+            "z29c.v1.ReviewService",
+            store.clone(),
+            bus.clone(),
+            shutdown.clone(),
+        )
+        .await?;
+    }
     let health = z29c_runtime::health_service(
         "z29c.v1.ReviewService",
         store.clone(),

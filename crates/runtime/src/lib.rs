@@ -174,6 +174,34 @@ pub fn health_service(
     server
 }
 
+/// Serves the gRPC health protocol alone on `addr`, without TLS, until `shutdown`: for
+/// kubelet's gRPC probes and load balancers, which cannot present a client certificate. It
+/// tells only SERVING or NOT_SERVING; every other call needs the mutually authenticated port.
+pub async fn serve_plain_health(
+    addr: std::net::SocketAddr,
+    service: &'static str,
+    store: z29c_store::Store,
+    bus: z29c_bus::Bus,
+    shutdown: CancellationToken,
+) -> anyhow::Result<std::net::SocketAddr> {
+    use anyhow::Context;
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("bind health_listen {addr}"))?;
+    let bound = listener.local_addr()?;
+    tracing::info!(addr = %bound, "gRPC health listening (plaintext, health only)");
+    let health = health_service(service, store, bus, shutdown.clone());
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(health)
+            .serve_with_incoming_shutdown(
+                tokio_stream::wrappers::TcpListenerStream::new(listener),
+                shutdown.cancelled_owned(),
+            ),
+    );
+    Ok(bound)
+}
+
 /// The one mapping from store errors to gRPC statuses.
 pub fn status_from_store(e: StoreError) -> tonic::Status {
     use tonic::Status;

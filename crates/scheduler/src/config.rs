@@ -27,6 +27,9 @@ pub struct SchedulerConfig {
     pub max_input_bytes: usize,
     pub max_request_bytes: usize,
     pub bounds: PlatformBounds,
+    /// Where the gRPC health protocol alone is served without TLS (kubelet probes cannot
+    /// present a client certificate), if anywhere.
+    pub health_listen: Option<std::net::SocketAddr>,
     /// Where `/metrics` is served (Prometheus), if anywhere.
     pub metrics_listen: Option<SocketAddr>,
     /// Each caller's workflow submissions per second (0: no limit) and burst.
@@ -55,6 +58,7 @@ impl Default for SchedulerConfig {
             max_input_bytes: 64 * 1024,
             max_request_bytes: 4 * 1024 * 1024,
             bounds: PlatformBounds::default(),
+            health_listen: None,
             metrics_listen: None,
             submissions_per_second: 500,
             submission_burst: 1_000,

@@ -54,6 +54,16 @@ pub async fn run(
         shutdown.clone(),
     ));
     let sweep = tokio::spawn(relay::deadline_sweep(store.clone(), shutdown.clone()));
+    if let Some(addr) = config.health_listen {
+        z29c_runtime::serve_plain_health(
+            addr,
+            "z29c.v1.WorkflowService",
+            store.clone(),
+            bus.clone(),
+            shutdown.clone(),
+        )
+        .await?;
+    }
     let health = z29c_runtime::health_service(
         "z29c.v1.WorkflowService",
         store.clone(),
