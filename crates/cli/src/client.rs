@@ -61,6 +61,9 @@ pub(crate) struct Access {
     tls_cert_file: Option<std::path::PathBuf>,
     #[arg(long, global = true, env = "Z29C_TLS__KEY_FILE")]
     tls_key_file: Option<std::path::PathBuf>,
+    /// The name the services' certificates carry, when it is not the URL's host.
+    #[arg(long, global = true, env = "Z29C_TLS__SERVER_NAME")]
+    tls_server_name: Option<String>,
 }
 
 impl Access {
@@ -70,6 +73,7 @@ impl Access {
             tls_ca_file: tls.ca_file.clone(),
             tls_cert_file: tls.cert_file.clone(),
             tls_key_file: tls.key_file.clone(),
+            tls_server_name: tls.server_name.clone(),
         }
     }
 
@@ -78,7 +82,7 @@ impl Access {
             ca_file: self.tls_ca_file.clone(),
             cert_file: self.tls_cert_file.clone(),
             key_file: self.tls_key_file.clone(),
-            server_name: None,
+            server_name: self.tls_server_name.clone(),
         }
     }
 
