@@ -216,6 +216,9 @@ impl Cluster {
         let prefix = format!("s{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
         let dir = std::env::temp_dir().join(format!("z29c-{prefix}"));
         std::fs::create_dir_all(&dir)?;
+        // load generators submit faster than one operator would: no per-caller rate unless a
+        // test sets one (its own entry comes later and wins)
+        env.insert(0, ("Z29C_SUBMISSIONS_PER_SECOND".into(), "0".into()));
         let security = if secure {
             let pki = DevPki::generate(&dir.join("pki"), &["services", "operator"])?;
             let foreign = DevPki::generate(&dir.join("foreign"), &["impostor"])?;

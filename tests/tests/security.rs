@@ -493,3 +493,85 @@ async fn the_console_asks_for_sign_in_and_refuses_forged_forms() -> Result<()> {
     pool.close().await;
     cluster.stop().await
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cli_mints_a_token_and_reaches_a_secure_cluster_only_with_it() -> Result<()> {
+    let (cluster, pool) = secure("idempotent", &[]).await?;
+    let id = cluster
+        .client()
+        .await?
+        .submit(chain("cli-1", "ok", 1))
+        .await?
+        .into_inner()
+        .workflow
+        .unwrap()
+        .id;
+    let secret_file = cluster.dir().join("token-secret");
+    std::fs::write(&secret_file, &cluster.security.as_ref().unwrap().secret)?;
+    let bin = z29c_scenarios::cluster::z29c_binary()?;
+    let tls = cluster.operator_tls();
+    let z29c = |args: Vec<String>, token: Option<String>| {
+        let mut cmd = tokio::process::Command::new(&bin);
+        cmd.args(args)
+            .env("Z29C_SERVER", &cluster.scheduler_url)
+            .env("Z29C_TLS__CA_FILE", tls.ca_file.clone().unwrap())
+            .env("Z29C_TLS__CERT_FILE", tls.cert_file.clone().unwrap())
+            .env("Z29C_TLS__KEY_FILE", tls.key_file.clone().unwrap())
+            .env("RUST_LOG", "warn")
+            .env_remove("Z29C_TOKEN");
+        if let Some(t) = token {
+            cmd.env("Z29C_TOKEN", t);
+        }
+        cmd.output()
+    };
+    let args = |a: &[&str]| a.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
+    let secret = secret_file.to_string_lossy().into_owned();
+    let minted = z29c(
+        args(&[
+            "token",
+            "--subject",
+            "cli-user",
+            "--role",
+            "viewer",
+            "--ttl",
+            "5m",
+            "--secret-file",
+            &secret,
+        ]),
+        None,
+    )
+    .await?;
+    assert!(minted.status.success(), "{minted:?}");
+    let token = String::from_utf8(minted.stdout)?.trim().to_owned();
+    let ok = z29c(args(&["--output", "json", "status", &id]), Some(token)).await?;
+    assert!(
+        ok.status.success(),
+        "{}",
+        String::from_utf8_lossy(&ok.stderr)
+    );
+    assert!(String::from_utf8_lossy(&ok.stdout).contains(&id));
+    let refused = z29c(args(&["status", &id]), None).await?;
+    assert_eq!(refused.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&refused.stderr).contains("Unauthenticated"),
+        "{}",
+        String::from_utf8_lossy(&refused.stderr)
+    );
+    let bad_role = z29c(
+        args(&[
+            "token",
+            "--subject",
+            "x",
+            "--role",
+            "admin",
+            "--secret-file",
+            &secret,
+        ]),
+        None,
+    )
+    .await?;
+    assert_eq!(bad_role.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&bad_role.stderr).contains("not a role"));
+    pool.close().await;
+    cluster.stop().await
+}

@@ -7,6 +7,7 @@ mod infra;
 
 use std::path::PathBuf;
 
+use anyhow::Context;
 use clap::{Parser, Subcommand};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -78,6 +79,25 @@ enum Command {
         #[arg(long, default_value = "")]
         service: String,
     },
+    /// Sign an operator token (HS256) with a secret from a file, for deployments verifying
+    /// `auth.hs256_secrets` (an identity provider issues tokens otherwise). Prints the token.
+    Token {
+        /// Who the token names: recorded in the audit log and on resolutions.
+        #[arg(long)]
+        subject: String,
+        /// A role: viewer, operator or resolver (repeat for several).
+        #[arg(long = "role", required = true, value_parser = parse_role)]
+        roles: Vec<z29c_core::Role>,
+        /// How long the token is valid (e.g. 30m, 8h).
+        #[arg(long, default_value = "8h", value_parser = humantime::parse_duration)]
+        ttl: std::time::Duration,
+        /// File holding the secret (one of the services' `auth.hs256_secrets`).
+        #[arg(long, env = "Z29C_TOKEN_SECRET_FILE")]
+        secret_file: PathBuf,
+        /// The audience the services expect (`auth.audience`).
+        #[arg(long, default_value = "z29c")]
+        audience: String,
+    },
     /// Apply the database migrations.
     Migrate {
         #[arg(long, env = "Z29C_DATABASE_URL")]
@@ -110,6 +130,11 @@ struct ServiceArgs {
     /// Print the resulting configuration and exit.
     #[arg(long)]
     dump_config: bool,
+}
+
+fn parse_role(s: &str) -> Result<z29c_core::Role, String> {
+    s.parse()
+        .map_err(|_| format!("{s:?} is not a role: use viewer, operator or resolver"))
 }
 
 fn config<T: Serialize + DeserializeOwned + Default>(
@@ -178,6 +203,24 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             let status = z29c_runtime::probe(&addr, &service, &access.tls()).await?;
             if status != "SERVING" {
                 anyhow::bail!("{addr}: {status}");
+            }
+            Ok(())
+        }
+        Command::Token {
+            subject,
+            roles,
+            ttl,
+            secret_file,
+            audience,
+        } => {
+            let secret = std::fs::read_to_string(&secret_file)
+                .with_context(|| format!("--secret-file {}", secret_file.display()))
+                .map_err(|e| e.context(client::Exit::BadInput))?;
+            let token =
+                z29c_security::token::mint(secret.trim(), &audience, &subject, &roles, ttl)?;
+            #[allow(clippy::print_stdout)]
+            {
+                println!("{token}");
             }
             Ok(())
         }
