@@ -84,10 +84,28 @@ pub struct PrivatePostgres {
     pub port: u16,
     dir: PathBuf,
     child: Option<Child>,
+    settings: Vec<String>,
 }
+
+/// Settings of a scenario's server: nothing there needs to survive a power cut.
+const SCENARIO_SETTINGS: &[&str] = &["fsync=off", "max_connections=200"];
+
+/// Settings of a benchmark's server: durable (fsync and synchronous commit as PostgreSQL
+/// ships them), autovacuum on, room for every system's connections.
+pub const DURABLE_SETTINGS: &[&str] = &[
+    "fsync=on",
+    "synchronous_commit=on",
+    "autovacuum=on",
+    "max_connections=300",
+];
 
 impl PrivatePostgres {
     pub async fn start() -> Result<Self> {
+        Self::start_with(SCENARIO_SETTINGS).await
+    }
+
+    /// A cluster started with `settings` (`name=value`, as `postgres -c` takes them).
+    pub async fn start_with(settings: &[&str]) -> Result<Self> {
         let dir = std::env::temp_dir().join(format!("z29c-pg-{}", uuid::Uuid::new_v4().simple()));
         std::fs::create_dir_all(dir.join("data"))?;
         if is_root() {
@@ -115,6 +133,7 @@ impl PrivatePostgres {
             port: free_port()?,
             dir,
             child: None,
+            settings: settings.iter().map(|s| (*s).to_owned()).collect(),
         };
         pg.spawn().await?;
         Ok(pg)
@@ -132,7 +151,7 @@ impl PrivatePostgres {
             .arg(&data)
             .args(["-h", "127.0.0.1", "-p", &self.port.to_string(), "-k"])
             .arg(&data)
-            .args(["-c", "fsync=off", "-c", "max_connections=200"])
+            .args(self.settings.iter().flat_map(|s| ["-c", s.as_str()]))
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .kill_on_drop(true)

@@ -19,10 +19,22 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{ConnectOptions, PgPool};
 use z29c_store::Store;
 
-/// The server tests run against; the machine's PostgreSQL unless `DATABASE_URL` says otherwise.
+static SERVER: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
+/// The server tests run against: the one [`use_server`] set, else `DATABASE_URL`'s, else the
+/// machine's PostgreSQL.
 pub fn database_url() -> String {
+    if let Some(url) = SERVER.get() {
+        return url.clone();
+    }
     std::env::var("DATABASE_URL")
         .unwrap_or_else(|_| "postgres://postgres:postgres@127.0.0.1:5432/postgres".into())
+}
+
+/// Makes every database this process creates from now on live on `admin_url`'s server (the
+/// benchmark's own PostgreSQL). Only the first call counts.
+pub fn use_server(admin_url: String) {
+    let _ = SERVER.set(admin_url);
 }
 
 /// A database that exists for one test.

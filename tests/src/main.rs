@@ -201,12 +201,29 @@ struct BenchArgs {
     /// Open-loop run length, seconds.
     #[arg(long, default_value_t = 20)]
     latency_seconds: u64,
+    /// Run every system on a PostgreSQL of the benchmark's own (initdb; durable, autovacuum
+    /// on) instead of DATABASE_URL's server.
+    #[arg(long)]
+    private_postgres: bool,
     /// Where the JSON report goes; the plot goes beside it (`.svg`).
     #[arg(long, default_value = "target/bench/bench.json")]
     out: std::path::PathBuf,
 }
 
 async fn bench(a: BenchArgs) -> Result<()> {
+    use z29c_scenarios::infra::{DURABLE_SETTINGS, PrivatePostgres};
+    if !a.private_postgres {
+        return bench_on(a).await;
+    }
+    say("starting a PostgreSQL of the benchmark's own (initdb; durable, autovacuum on)…");
+    let pg = PrivatePostgres::start_with(DURABLE_SETTINGS).await?;
+    z29c_scenarios::use_server(pg.admin_url());
+    let result = bench_on(a).await;
+    pg.stop().await;
+    result
+}
+
+async fn bench_on(a: BenchArgs) -> Result<()> {
     use z29c_scenarios::bench::{self, peers::Peer};
     if a.steps == 0 || a.concurrency.contains(&0) || a.rounds == 0 {
         bail!("--steps, --concurrency and --rounds must be positive");
@@ -244,7 +261,11 @@ async fn bench(a: BenchArgs) -> Result<()> {
         Some(bench::peers::Peers::install(&dir).await?)
     };
     let part = |p: &str| a.parts.iter().any(|x| x == p);
-    let mut report = bench::Report::default();
+    let mut report = bench::Report {
+        server: bench::server_settings().await?,
+        ..bench::Report::default()
+    };
+    say(&format!("PostgreSQL {}", report.server));
     let save = |report: &bench::Report| -> Result<()> {
         std::fs::write(&a.out, serde_json::to_string_pretty(report)?)?;
         Ok(())

@@ -1064,12 +1064,22 @@ fn upstream(url: &str) -> Result<String> {
     ))
 }
 
-/// The same database URL, through a local proxy port.
+/// The same database URL, through a local proxy port, in plaintext: the proxy reads the wire
+/// protocol to find a `COMMIT`, which TLS (sqlx prefers it when the server offers it) hides.
 fn via_proxy(url: &str, port: u16) -> Result<String> {
     let mut u = reqwest::Url::parse(url)?;
     u.set_host(Some("127.0.0.1"))?;
     u.set_port(Some(port))
         .map_err(|()| anyhow::anyhow!("cannot set a port on {url}"))?;
+    let kept: Vec<(String, String)> = u
+        .query_pairs()
+        .filter(|(k, _)| k != "sslmode")
+        .map(|(k, v)| (k.into_owned(), v.into_owned()))
+        .collect();
+    u.query_pairs_mut()
+        .clear()
+        .extend_pairs(kept)
+        .append_pair("sslmode", "disable");
     Ok(u.to_string())
 }
 

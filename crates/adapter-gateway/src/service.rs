@@ -22,6 +22,8 @@ use crate::http::{self, CallOutcome, QueryOutcome};
 
 /// What a caller without a deadline gets (at most `grpc.max_deadline_ms`).
 const DEFAULT_CALL: Duration = Duration::from_secs(10);
+/// A call with less time than this left is not sent at all (nothing sent, retry later).
+const MIN_CALL: Duration = Duration::from_millis(20);
 /// When the permits are all taken, come back after this.
 const PERMIT_RETRY: Duration = Duration::from_millis(200);
 
@@ -88,8 +90,12 @@ fn call_timeout<T>(req: &Request<T>, max: Duration) -> Duration {
             })
         });
     let d = parsed.unwrap_or(DEFAULT_CALL).min(max);
-    d.saturating_sub(Duration::from_millis(50).min(d / 10))
+    d.saturating_sub(ANSWER_RESERVE.min(d / 10))
 }
+
+/// Kept back from a call's deadline for what follows the adapter's answer (the permit's
+/// release or hold in PostgreSQL, the reply), so the gateway answers before the deadline.
+const ANSWER_RESERVE: Duration = Duration::from_millis(200);
 
 /// The answer to a call turned away before it took a permit (this instance full, or the
 /// adapter's limit reached): "rate limited, retry shortly", counted under `result`.
@@ -114,7 +120,8 @@ impl Gateway {
         &self,
         request: Request<InvokeRequest>,
     ) -> Result<Response<InvokeResponse>, Status> {
-        let timeout = call_timeout(&request, self.max_call());
+        // the budget runs from the request's arrival: taking the permit spends it too
+        let deadline = tokio::time::Instant::now() + call_timeout(&request, self.max_call());
         let req = request.into_inner();
         let adapter = self.adapter(&req.adapter)?;
         let z29c_proto::validate::ValidInvoke {
@@ -139,15 +146,22 @@ impl Gateway {
             return Ok(turned_away(adapter, "no_permit"));
         };
 
-        let outcome = http::invoke(
-            &self.client,
-            &adapter.base_url,
-            &req.operation,
-            identity.as_str(),
-            &input,
-            timeout,
-        )
-        .await;
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        let outcome = if left < MIN_CALL {
+            CallOutcome::NotSent {
+                reason: format!("{} ms left of the caller's deadline", left.as_millis()),
+            }
+        } else {
+            http::invoke(
+                &self.client,
+                &adapter.base_url,
+                &req.operation,
+                identity.as_str(),
+                &input,
+                left,
+            )
+            .await
+        };
         #[cfg(feature = "faults")]
         if self.config.fault_crash_after_destination
             && matches!(outcome, CallOutcome::Succeeded { .. })

@@ -171,6 +171,8 @@ pub struct Floor {
 
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct Report {
+    /// The PostgreSQL every system ran on: version and the settings that decide its speed.
+    pub server: String,
     pub drains: Vec<Drain>,
     pub floors: Vec<Floor>,
     pub latencies: Vec<Latency>,
@@ -493,6 +495,21 @@ pub async fn z29c_reclaim(held: usize) -> Result<Reclaim> {
     result
 }
 
+/// The server's version and the settings that decide its speed, as one line.
+pub async fn server_settings() -> Result<String> {
+    let pool = sqlx::PgPool::connect(&crate::database_url()).await?;
+    let line = sqlx::query_scalar(
+        "SELECT current_setting('server_version') || ': ' || string_agg(name || '=' || setting, ', ' ORDER BY name)
+         FROM pg_settings
+         WHERE name IN ('autovacuum', 'fsync', 'synchronous_commit', 'shared_buffers',
+                        'max_connections', 'wal_level', 'checkpoint_timeout', 'max_wal_size')",
+    )
+    .fetch_one(&pool)
+    .await?;
+    pool.close().await;
+    Ok(line)
+}
+
 /// `pgbench` at `clients` running a one-row durable update for `seconds`.
 pub async fn pgbench_floor(round: usize, clients: usize, seconds: u64) -> Result<Floor> {
     let db = TestDatabase::create().await?;
@@ -607,7 +624,8 @@ impl Report {
     /// The tables: drains per concurrency and system (medians over rounds) against the floor,
     /// then latency and re-claim.
     pub fn table(&self) -> String {
-        let mut out = String::from(
+        let mut out = format!("PostgreSQL: {}\n", self.server);
+        out.push_str(
             "concurrency | system          | steps/s | commits/step | WAL B/step | fsyncs/step | peak RSS MiB (max process) | CPU s per 1k steps (all processes)\n\
              ------------|-----------------|---------|--------------|------------|-------------|----------------------------|-----------------------------------\n",
         );
