@@ -67,5 +67,9 @@ async fn the_checker_catches_a_build_without_receipt_fencing() -> Result<()> {
         broken.violations,
         broken.expectations
     );
+    // this failure was the point: its kept history is not evidence of anything to look at
+    if let Some(dir) = &broken.kept {
+        std::fs::remove_dir_all(dir)?;
+    }
     Ok(())
 }
