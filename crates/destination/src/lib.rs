@@ -239,7 +239,15 @@ async fn commit(
     honour_key: bool,
     body: &Value,
 ) -> Result<Committed, sqlx::Error> {
-    let mut tx = pool.begin().await?;
+    // BEGIN in a task of its own: a handler dropped during the BEGIN round trip (its caller
+    // went away) must not leave the pooled session inside a transaction (sqlx 0.9.0,
+    // transact-rs/sqlx#4393; z29c_store::Store::begin explains)
+    let mut tx = {
+        let pool = pool.clone();
+        tokio::spawn(async move { pool.begin().await })
+            .await
+            .map_err(|e| sqlx::Error::Protocol(format!("BEGIN task: {e}")))??
+    };
     if honour_key && let Some(key) = key {
         // one effect per key, even when the same key arrives twice at once
         sqlx::query("SELECT pg_advisory_xact_lock(hashtext($1))")

@@ -216,7 +216,7 @@ impl Store {
         .bind(owner.as_str())
         .bind(max);
         let before_commit = CrashPoint::before(Checkpoint::AttemptCreated);
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.begin().await?;
         // The ready index, walked in order, is the only plan that stays cheap however many
         // steps wait: after a burst of submissions the statistics still describe a small
         // table and the planner would otherwise bitmap-scan and sort every ready step (200 ms
@@ -239,7 +239,7 @@ impl Store {
         claim: &LeaseClaim,
         identity: &RequestIdentity,
     ) -> Result<i64> {
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.begin().await?;
         let out = persist_request_identity_in(&mut tx, claim, identity).await?;
         tx.commit().await?;
         Ok(out)
@@ -249,7 +249,7 @@ impl Store {
     /// here on, no receipt means *unknown*. Refused for a cancelled workflow, which is where a
     /// cancelled step stops. Returns the new checkpoint version.
     pub async fn begin_invocation(&self, claim: &LeaseClaim) -> Result<i64> {
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.begin().await?;
         let out = begin_invocation_in(&mut tx, claim).await?;
         tx.commit().await?;
         Ok(out)
@@ -260,7 +260,7 @@ impl Store {
     /// version is stale, and once the attempt deadline leaves no more than the final grace;
     /// a granted expiry never passes the attempt deadline.
     pub async fn renew(&self, claim: &LeaseClaim, checkpoint_version: i64) -> Result<Renewed> {
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.begin().await?;
         let row: Option<(DateTime<Utc>, DateTime<Utc>, Uuid)> = sqlx::query_as(
             "UPDATE steps s
              SET expires_at = LEAST(now() + s.lease_ms * interval '1 millisecond',
@@ -346,7 +346,7 @@ impl Store {
     /// dependents and the outbox event in one fenced transaction. A step that already has its
     /// receipt is [`StoreError::Conflict`]; a stale lease is [`StoreError::Fenced`].
     pub async fn commit_receipt(&self, claim: &LeaseClaim, observed: &Observed) -> Result<Receipt> {
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.begin().await?;
         let out = commit_receipt_in(&mut tx, claim, observed).await?;
         tx.commit().await?;
         Ok(out)
@@ -397,7 +397,7 @@ impl Store {
     ) -> Result<Uuid> {
         check_observed(observed)?;
         let id = Uuid::now_v7();
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.begin().await?;
         let workflow: Option<Uuid> = sqlx::query_scalar(
             "INSERT INTO late_observations (id, step_id, workflow_id, attempt_id, lease_version,
                  owner, request_identity, input_digest, adapter_version, external_reference,
@@ -514,7 +514,7 @@ impl Store {
         kind: EventKind,
         after_invocation_ok: bool,
     ) -> Result<()> {
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.begin().await?;
         let held = fence::fence(&mut tx, claim, FencedWrite::Release).await?;
         if !after_invocation_ok && held.checkpoint >= Some(Checkpoint::InvocationBegan) {
             return Err(StoreError::Conflict(
@@ -577,7 +577,7 @@ impl Store {
     /// once instead of after expiry: for an adapter answer of *unknown*, or a worker that must
     /// stop after invocation began. Recovery then decides from evidence.
     pub async fn surrender(&self, claim: &LeaseClaim, why: &str) -> Result<()> {
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.begin().await?;
         let held = fence::fence(&mut tx, claim, FencedWrite::Release).await?;
         sqlx::query("UPDATE steps SET expires_at = now(), updated_at = now() WHERE id = $1")
             .bind(claim.step.as_uuid())

@@ -98,6 +98,25 @@ impl Store {
         Ok(Self { pool })
     }
 
+    /// `BEGIN` on a pooled connection, safe to cancel.
+    ///
+    /// sqlx 0.9.0 leaves a session inside a transaction when a future is dropped during the
+    /// `BEGIN` round trip (transact-rs/sqlx#4393, fixed upstream after 0.9.0): the connection
+    /// goes back to the pool, and the next borrower's statements run, and commit, inside that
+    /// stale transaction. The soak caught it as a receipt whose transaction had begun in an
+    /// aborted lease renewal. Here the `BEGIN` runs in a task of its own, so it completes
+    /// whatever happens to the caller; a transaction nobody awaits any more is dropped in that
+    /// task, which rolls it back as sqlx does for any begun transaction.
+    pub(crate) async fn begin(&self) -> Result<sqlx::Transaction<'static, sqlx::Postgres>> {
+        let pool = self.pool.clone();
+        let tx = tokio::spawn(async move { pool.begin().await })
+            .await
+            .map_err(|e| {
+                StoreError::Database(sqlx::Error::Protocol(format!("BEGIN task: {e}")))
+            })??;
+        Ok(tx)
+    }
+
     /// Whether PostgreSQL answers a trivial query now (readiness).
     pub async fn ping(&self) -> bool {
         sqlx::query("SELECT 1").execute(&self.pool).await.is_ok()
@@ -128,4 +147,66 @@ impl Store {
 /// Milliseconds of a duration as the `bigint` PostgreSQL intervals are built from.
 pub(crate) fn millis(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use sqlx::PgPool;
+    use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+
+    use super::Store;
+
+    /// Whether the pool's (one) connection is inside a transaction block someone left open:
+    /// PostgreSQL takes a savepoint only inside one.
+    async fn left_open(pool: &PgPool) -> bool {
+        sqlx::raw_sql("SAVEPOINT z29c_probe")
+            .execute(pool)
+            .await
+            .is_ok()
+    }
+
+    #[sqlx::test(migrations = false)]
+    async fn a_begin_cancelled_at_any_moment_leaves_no_transaction_open(
+        _: PgPoolOptions,
+        connect: PgConnectOptions,
+    ) {
+        // one connection, handed out without a ping, so a cancellation lands in the BEGIN
+        // round trip itself and the next borrower gets the same session
+        let pool = PgPoolOptions::new()
+            .max_connections(1)
+            .test_before_acquire(false)
+            .connect_with(connect)
+            .await
+            .expect("pool");
+        let store = Store::from_pool(pool.clone());
+        let mut cancelled = 0;
+        for i in 0..200u32 {
+            // poll the BEGIN a few times, letting the runtime run in between, then drop it:
+            // the cancellation lands wherever it has got to by then
+            let polls = 1 + i % 8;
+            let mut begin = Box::pin(store.begin());
+            let mut done = false;
+            for _ in 0..polls {
+                if futures::poll!(&mut begin).is_ready() {
+                    done = true;
+                    break;
+                }
+                tokio::time::sleep(Duration::from_micros(100)).await;
+            }
+            drop(begin);
+            if !done {
+                cancelled += 1;
+            }
+            assert!(
+                !left_open(&pool).await,
+                "a BEGIN dropped after {polls} polls left its transaction open for the next borrower"
+            );
+        }
+        assert!(
+            cancelled >= 20,
+            "only {cancelled} of 200 BEGINs were cancelled"
+        );
+    }
 }

@@ -94,7 +94,7 @@ impl Store {
     /// Takes a permit if fewer than the limit count now. The limit row is locked for the
     /// decision, so gateways racing for the last permit cannot both get it.
     pub async fn acquire_permit(&self, req: &PermitRequest<'_>) -> Result<Permit> {
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.begin().await?;
         let permit = acquire_permit_in(&mut tx, req).await?;
         tx.commit().await?;
         Ok(permit)

@@ -195,7 +195,7 @@ impl Store {
         owner: &OwnerId,
         hold: Duration,
     ) -> Result<RecoveryLease> {
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.begin().await?;
         let row: Option<TakenRow> = sqlx::query_as(
             "WITH prior AS (
                  SELECT id, lease_owner, lease_version FROM steps WHERE id = $1 FOR UPDATE
@@ -337,7 +337,7 @@ impl Store {
         lease: &LeaseClaim,
         record: &DecisionRecord,
     ) -> Result<Uuid> {
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.begin().await?;
         let held = fence::fence(&mut tx, lease, FencedWrite::Release).await?;
         let checkpoint: Option<String> =
             sqlx::query_scalar("SELECT checkpoint::text FROM attempts WHERE id = $1")
@@ -505,7 +505,7 @@ impl Store {
                 "a recovered receipt is verified by status query, late evidence or a person",
             ));
         }
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.begin().await?;
         let held = fence::fence(
             &mut tx,
             lease,

@@ -173,7 +173,7 @@ impl Store {
         }
         let owner = OwnerId::parse(format!("review:{who}"))
             .map_err(|e| StoreError::invalid("resolved_by", e.reason))?;
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.begin().await?;
         let row: ItemRow = sqlx::query_as(
             "SELECT step_id, state, version FROM review_items WHERE id = $1 FOR UPDATE",
         )

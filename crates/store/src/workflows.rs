@@ -295,7 +295,7 @@ impl Store {
         wf.validate(limits)?;
         let digest = wf.digest();
         let id = WorkflowId::new();
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.begin().await?;
         let inserted: Option<Uuid> = sqlx::query_scalar(
             "INSERT INTO workflows (id, client_key, submission_digest, name, deadline, trace_context)
              VALUES ($1, $2, $3, $4, $5, $6)
@@ -526,7 +526,7 @@ impl Store {
     /// are refused) while an invocation already begun may still record its outcome. Cancelling
     /// a cancelled workflow is a no-op; cancelling a finished one is a conflict.
     pub async fn cancel_workflow(&self, id: WorkflowId, reason: &str) -> Result<WorkflowState> {
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.begin().await?;
         let state: Option<String> =
             sqlx::query_scalar("SELECT state::text FROM workflows WHERE id = $1 FOR UPDATE")
                 .bind(id.as_uuid())
