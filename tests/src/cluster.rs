@@ -195,6 +195,28 @@ impl Cluster {
     }
 
     /// Starts the processes `t` describes.
+    /// A secure cluster (mutual TLS between every process, operator tokens required) with
+    /// one recovery instance, adapters of `capability`, `env` for every process, and a pool
+    /// of two connections on its database.
+    pub async fn start_secure(
+        capability: &'static str,
+        env: &[(&str, &str)],
+    ) -> Result<(Self, sqlx::PgPool)> {
+        let cluster = Self::start_with(Topology {
+            recoveries: 1,
+            capability,
+            secure: true,
+            env: env
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                .collect(),
+            ..Topology::default()
+        })
+        .await?;
+        let pool = cluster.db.pool(2).await?;
+        Ok((cluster, pool))
+    }
+
     pub async fn start_with(t: Topology) -> Result<Self> {
         let Topology {
             gateways,

@@ -37,6 +37,15 @@ pub fn use_server(admin_url: String) {
     let _ = SERVER.set(admin_url);
 }
 
+/// Rows in `table` (a name the test wrote, never input).
+pub async fn count_rows(pool: &PgPool, table: &str) -> Result<i64> {
+    Ok(
+        sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT count(*) FROM {table}")))
+            .fetch_one(pool)
+            .await?,
+    )
+}
+
 /// A database that exists for one test.
 #[derive(Debug)]
 pub struct TestDatabase {

@@ -14,7 +14,7 @@ use tonic::codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};
 use z29c_core::{Role, StepId, WorkflowId};
 use z29c_proto::v1::adapter_gateway_client::AdapterGatewayClient;
 use z29c_proto::v1::{self as pb};
-use z29c_scenarios::cluster::{Cluster, Topology, chain};
+use z29c_scenarios::cluster::{Cluster, chain};
 
 /// Sends bytes as they are and returns the answer's bytes: a client that does not speak
 /// protobuf correctly.
@@ -79,11 +79,7 @@ async fn raw_call(
 }
 
 async fn count(pool: &PgPool, table: &str) -> Result<i64> {
-    Ok(
-        sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT count(*) FROM {table}")))
-            .fetch_one(pool)
-            .await?,
-    )
+    z29c_scenarios::count_rows(pool, table).await
 }
 
 /// Rows in every table a submission, an attempt or a resolution writes.
@@ -104,19 +100,7 @@ async fn state(pool: &PgPool) -> Result<Vec<i64>> {
 }
 
 async fn cluster(capability: &'static str, env: &[(&str, &str)]) -> Result<(Cluster, PgPool)> {
-    let cluster = Cluster::start_with(Topology {
-        recoveries: 1,
-        capability,
-        secure: true,
-        env: env
-            .iter()
-            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
-            .collect(),
-        ..Topology::default()
-    })
-    .await?;
-    let pool = cluster.db.pool(2).await?;
-    Ok((cluster, pool))
+    Cluster::start_secure(capability, env).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

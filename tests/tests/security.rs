@@ -11,31 +11,15 @@ use tonic::Code;
 use z29c_core::Role;
 use z29c_proto::v1::adapter_gateway_client::AdapterGatewayClient;
 use z29c_proto::v1::{self as pb};
-use z29c_scenarios::cluster::{Cluster, Topology, chain};
+use z29c_scenarios::cluster::{Cluster, chain};
 use z29c_security::TlsConfig;
 
 async fn secure(capability: &'static str, env: &[(&str, &str)]) -> Result<(Cluster, PgPool)> {
-    let cluster = Cluster::start_with(Topology {
-        recoveries: 1,
-        capability,
-        secure: true,
-        env: env
-            .iter()
-            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
-            .collect(),
-        ..Topology::default()
-    })
-    .await?;
-    let pool = cluster.db.pool(2).await?;
-    Ok((cluster, pool))
+    Cluster::start_secure(capability, env).await
 }
 
 async fn count(pool: &PgPool, table: &str) -> Result<i64> {
-    Ok(
-        sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT count(*) FROM {table}")))
-            .fetch_one(pool)
-            .await?,
-    )
+    z29c_scenarios::count_rows(pool, table).await
 }
 
 /// The audit log's outcomes, oldest first, once `n` rows are there (written in the background).
