@@ -761,6 +761,20 @@ async fn wait_for_port(port: u16) -> Result<()> {
     bail!("nothing listened on 127.0.0.1:{port} within 45 s")
 }
 
+/// One step whose calls time out quickly, so an unknown outcome comes fast.
+pub fn flaky_workflow(key: &str) -> pb::SubmitRequest {
+    let mut req = chain(key, "flaky", 1);
+    req.steps[0].policy = Some(pb::LeasePolicy {
+        lease_ms: 2_000,
+        renew_every_ms: 500,
+        attempt_deadline_ms: 4_000,
+        final_grace_ms: 500,
+        adapter_timeout_ms: 800,
+        ..Default::default()
+    });
+    req
+}
+
 /// A workflow of `steps` chained steps on `route`.
 pub fn chain(key: &str, route: &str, steps: usize) -> pb::SubmitRequest {
     pb::SubmitRequest {

@@ -8,21 +8,7 @@ use anyhow::{Result, bail};
 use serde_json::json;
 use sqlx::PgPool;
 use z29c_proto::v1::{self as pb};
-use z29c_scenarios::cluster::{Cluster, Topology, chain};
-
-/// One step whose calls time out quickly, so an unknown outcome comes fast.
-fn flaky_workflow(key: &str) -> pb::SubmitRequest {
-    let mut req = chain(key, "flaky", 1);
-    req.steps[0].policy = Some(pb::LeasePolicy {
-        lease_ms: 2_000,
-        renew_every_ms: 500,
-        attempt_deadline_ms: 4_000,
-        final_grace_ms: 500,
-        adapter_timeout_ms: 800,
-        ..Default::default()
-    });
-    req
-}
+use z29c_scenarios::cluster::{Cluster, Topology, flaky_workflow};
 
 async fn start(capability: &'static str) -> Result<(Cluster, PgPool, String)> {
     let cluster = Cluster::start_with(Topology {

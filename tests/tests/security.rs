@@ -11,7 +11,7 @@ use tonic::Code;
 use z29c_core::Role;
 use z29c_proto::v1::adapter_gateway_client::AdapterGatewayClient;
 use z29c_proto::v1::{self as pb};
-use z29c_scenarios::cluster::{Cluster, chain};
+use z29c_scenarios::cluster::{Cluster, chain, flaky_workflow};
 use z29c_security::TlsConfig;
 
 async fn secure(capability: &'static str, env: &[(&str, &str)]) -> Result<(Cluster, PgPool)> {
@@ -252,15 +252,7 @@ async fn only_a_resolver_resolves_and_the_record_names_the_token_not_a_header() 
     cluster
         .set_faults("flaky", json!({ "drop_response": true }))
         .await?;
-    let mut req = chain("review-1", "flaky", 1);
-    req.steps[0].policy = Some(pb::LeasePolicy {
-        lease_ms: 2_000,
-        renew_every_ms: 500,
-        attempt_deadline_ms: 4_000,
-        final_grace_ms: 500,
-        adapter_timeout_ms: 800,
-        ..Default::default()
-    });
+    let req = flaky_workflow("review-1");
     let id = cluster
         .client()
         .await?
