@@ -687,7 +687,9 @@ pub(crate) async fn finish_step(
          )
          SELECT ",
         receipt_columns!(),
-        ", EXISTS (SELECT 1 FROM step_dependencies WHERE depends_on = $2) AS has_dependents
+        ", EXISTS (SELECT 1 FROM step_dependencies WHERE depends_on = $2) AS has_dependents,
+           EXISTS (SELECT 1 FROM steps WHERE workflow_id = $3 AND id <> $2
+                   AND state <> 'completed') AS siblings_open
          FROM r AS step_receipts"
     ))
     .bind(Uuid::now_v7())
@@ -715,12 +717,21 @@ pub(crate) async fn finish_step(
     .fetch_one(&mut *conn)
     .await?;
     let has_dependents: bool = row.try_get("has_dependents")?;
+    let siblings_open: bool = row.try_get("siblings_open")?;
     let receipt = Receipt::try_from(ReceiptRow::from_row(&row)?)?;
-    // Serialises the ends of one workflow's steps, so the last one sees all the others. A step
-    // without dependents takes it last, so it is held only through this transaction's COMMIT
-    // and sibling steps of a fan-out commit one after another, not one whole transaction after
-    // another. A step with dependents takes it before it locks their rows, in the order a
-    // cancellation takes them (workflow, then steps), so the two cannot deadlock.
+    // A success with nothing to release while other steps of its workflow are still open
+    // changes nothing beyond itself: it takes no workflow lock, so the siblings of a fan-out
+    // commit side by side. Whether it was the last one after all (siblings finishing at the
+    // same moment each see the others open) is settled after COMMIT, by the outbox relay that
+    // publishes its `step_completed` message: [`crate::Store::mark_outbox_sent`] completes the
+    // workflow once every step has, in the same transaction.
+    if observed.outcome == Outcome::Succeeded && !has_dependents && siblings_open {
+        return Ok(receipt);
+    }
+    // Everything else locks the workflow, so the last one sees all the others. A step without
+    // dependents takes it last, so it is held only through this transaction's COMMIT. A step
+    // with dependents takes it before it locks their rows, in the order a cancellation takes
+    // them (workflow, then steps), so the two cannot deadlock.
     let early = match has_dependents {
         true => Some(lock_workflow(conn, held.workflow).await?),
         false => None,

@@ -10,7 +10,7 @@ use chrono::{DateTime, Utc};
 use serde_json::Value;
 use sqlx::PgConnection;
 use uuid::Uuid;
-use z29c_core::OwnerId;
+use z29c_core::{OwnerId, WorkflowState};
 
 use crate::{Result, Store, millis};
 
@@ -105,14 +105,40 @@ impl Store {
     /// Marks messages as published by deleting them: a published message is JetStream's now,
     /// and a row kept would only be another tuple for every index and for vacuum. Returns how
     /// many were newly marked.
+    ///
+    /// In the same statement, every running workflow named by a sent `step_completed` message
+    /// whose steps have all completed is completed, with its `workflow_changed` message. A
+    /// receipt commits without the workflow's lock while its siblings are open (see
+    /// `leases::finish_step`), so siblings finishing at once may each have seen the others
+    /// open; this runs after their COMMITs, on a snapshot that holds them all, and the row
+    /// lock of the `UPDATE` waits for a step's failure or a cancellation in flight.
     pub async fn mark_outbox_sent(&self, ids: &[i64]) -> Result<u64> {
-        Ok(
-            sqlx::query("DELETE FROM outbox WHERE id = ANY($1) AND sent_at IS NULL")
-                .bind(ids)
-                .execute(&self.pool)
-                .await?
-                .rows_affected(),
+        Ok(sqlx::query_scalar(
+            "WITH sent AS (
+                 DELETE FROM outbox WHERE id = ANY($1) AND sent_at IS NULL
+                 RETURNING workflow_id, kind
+             ), done AS (
+                 UPDATE workflows w
+                 SET state = 'completed', ended_at = now(), updated_at = now()
+                 WHERE w.id IN (SELECT workflow_id FROM sent WHERE kind = $2)
+                   AND w.state = 'running'
+                   AND NOT EXISTS (SELECT 1 FROM steps s
+                                   WHERE s.workflow_id = w.id AND s.state <> 'completed')
+                 RETURNING w.id, w.trace_context
+             ), announced AS (
+                 INSERT INTO outbox (msg_id, kind, workflow_id, step_id, payload, trace_context)
+                 SELECT $3 || '-' || gen_random_uuid()::text, $3, id, NULL, $4, trace_context
+                 FROM done
+             )
+             SELECT count(*) FROM sent",
         )
+        .bind(ids)
+        .bind(MessageKind::StepCompleted.as_str())
+        .bind(MessageKind::WorkflowChanged.as_str())
+        .bind(serde_json::json!({ "state": WorkflowState::Completed.as_str() }))
+        .fetch_one(&self.pool)
+        .await
+        .map(|n: i64| n as u64)?)
     }
 
     /// How many messages wait to be published.

@@ -48,16 +48,26 @@ macro_rules! permit_columns {
 }
 
 /// Releases the permits still held for an unknown outcome of `identity`, now that the outcome
-/// is known; the release names why. Runs inside the transaction that made it known.
+/// is known; the release names why and frees their slots. Runs inside the transaction that
+/// made it known.
 pub(crate) async fn release_unknown_for(
     conn: &mut sqlx::PgConnection,
     identity: &str,
     reason: &str,
 ) -> Result<u64> {
     Ok(sqlx::query(
-        "UPDATE adapter_permits
-         SET state = 'released', released_at = clock_timestamp(), release_reason = $2
-         WHERE request_identity = $1 AND state = 'unknown'",
+        "WITH p AS (
+             UPDATE adapter_permits
+             SET state = 'released', released_at = clock_timestamp(), release_reason = $2
+             WHERE request_identity = $1 AND state = 'unknown'
+             RETURNING id, adapter, operation_class, slot
+         ), freed AS (
+             UPDATE adapter_permit_slots s SET permit_id = NULL, expires_at = NULL
+             FROM p
+             WHERE s.adapter = p.adapter AND s.operation_class = p.operation_class
+               AND s.slot = p.slot AND s.permit_id = p.id
+         )
+         SELECT 1 FROM p",
     )
     .bind(identity)
     .bind(reason)
@@ -67,7 +77,9 @@ pub(crate) async fn release_unknown_for(
 }
 
 impl Store {
-    /// Sets the in-flight limit of an adapter's operation class.
+    /// Sets the in-flight limit of an adapter's operation class: that many slots. A lowered
+    /// limit drops the free slots above it at once and the occupied ones as their permits end;
+    /// no new permit takes a slot above the limit.
     pub async fn set_permit_limit(
         &self,
         adapter: &str,
@@ -77,6 +89,7 @@ impl Store {
         if max_in_flight <= 0 {
             return Err(StoreError::invalid("max_in_flight", "must be positive"));
         }
+        let mut tx = self.begin().await?;
         sqlx::query(
             "INSERT INTO adapter_limits (adapter, operation_class, max_in_flight)
              VALUES ($1, $2, $3)
@@ -86,18 +99,32 @@ impl Store {
         .bind(adapter)
         .bind(operation_class)
         .bind(max_in_flight)
-        .execute(&self.pool)
+        .execute(&mut *tx)
         .await?;
+        sqlx::query(
+            "WITH added AS (
+                 INSERT INTO adapter_permit_slots (adapter, operation_class, slot)
+                 SELECT $1, $2, g FROM generate_series(0, $3 - 1) AS g
+                 ON CONFLICT DO NOTHING
+             )
+             DELETE FROM adapter_permit_slots
+             WHERE adapter = $1 AND operation_class = $2 AND slot >= $3
+               AND (permit_id IS NULL OR expires_at <= clock_timestamp())",
+        )
+        .bind(adapter)
+        .bind(operation_class)
+        .bind(max_in_flight)
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
         Ok(())
     }
 
-    /// Takes a permit if fewer than the limit count now. The limit row is locked for the
-    /// decision, so gateways racing for the last permit cannot both get it.
+    /// Takes a permit if a slot below the limit is free: gateways racing for the last one
+    /// lock different slots or none, never the same one twice.
     pub async fn acquire_permit(&self, req: &PermitRequest<'_>) -> Result<Permit> {
-        let mut tx = self.begin().await?;
-        let permit = acquire_permit_in(&mut tx, req).await?;
-        tx.commit().await?;
-        Ok(permit)
+        let mut conn = self.pool.acquire().await?;
+        acquire_permit_in(&mut conn, req).await
     }
 
     /// Releases a permit on a known outcome (or after resolution). Releasing twice is a no-op.
@@ -107,13 +134,20 @@ impl Store {
     }
 
     /// Keeps a permit counting after an unknown outcome, for at most `safety_window`: the call
-    /// may still be running at the destination.
+    /// may still be running at the destination. Its slot stays taken as long.
     pub async fn hold_permit_unknown(&self, id: Uuid, safety_window: Duration) -> Result<()> {
         sqlx::query(
-            "UPDATE adapter_permits
-             SET state = 'unknown',
-                 expires_at = clock_timestamp() + $2::bigint * interval '1 millisecond'
-             WHERE id = $1 AND state = 'held'",
+            "WITH p AS (
+                 UPDATE adapter_permits
+                 SET state = 'unknown',
+                     expires_at = clock_timestamp() + $2::bigint * interval '1 millisecond'
+                 WHERE id = $1 AND state = 'held'
+                 RETURNING id, adapter, operation_class, slot, expires_at
+             )
+             UPDATE adapter_permit_slots s SET expires_at = p.expires_at
+             FROM p
+             WHERE s.adapter = p.adapter AND s.operation_class = p.operation_class
+               AND s.slot = p.slot AND s.permit_id = p.id",
         )
         .bind(id)
         .bind(millis(safety_window))
@@ -158,34 +192,69 @@ impl Store {
     }
 }
 
-/// The statements of [`Store::acquire_permit`], on the caller's transaction (alone, or a
-/// shared one: [`crate::batch::GroupCommit`]). Within one transaction, a permit taken earlier
-/// counts against a later one.
+/// The statement of [`Store::acquire_permit`], on the caller's connection or transaction
+/// (alone, or a shared one: [`crate::batch::GroupCommit`]). Within one transaction, a permit
+/// taken earlier holds its slot against a later one.
 pub(crate) async fn acquire_permit_in(
     conn: &mut sqlx::PgConnection,
     req: &PermitRequest<'_>,
 ) -> Result<Permit> {
+    // The first free slot below the limit that nobody else is taking: one row lock, held
+    // through this statement's COMMIT, and only against a racer for the same slot. A slot
+    // taken between this statement's snapshot and its lock is rechecked and dropped, which can
+    // leave it with no row while later slots are free: a few tries tell that from a full class.
+    for _ in 0..ACQUIRE_TRIES {
+        if let Some(permit) = take_free_slot(&mut *conn, req).await? {
+            return Ok(permit);
+        }
+    }
     let limit: Option<i32> = sqlx::query_scalar(
-        "SELECT max_in_flight FROM adapter_limits
-         WHERE adapter = $1 AND operation_class = $2 FOR UPDATE",
+        "SELECT max_in_flight FROM adapter_limits WHERE adapter = $1 AND operation_class = $2",
     )
     .bind(req.adapter)
     .bind(req.operation_class)
     .fetch_optional(&mut *conn)
     .await?;
-    let limit = limit.ok_or(StoreError::NotFound {
-        what: "adapter limit",
-    })?;
-    // One statement after the lock: its snapshot is taken once the lock is ours, so it
-    // counts every permit committed before; the lock is held only through it and COMMIT.
-    let permit: Option<Permit> = sqlx::query_as(concat!(
-        "INSERT INTO adapter_permits (id, adapter, operation_class, attempt_id,
-             request_identity, gateway, expires_at)
-         SELECT $1, $2, $3, $4, $5, $6,
-             clock_timestamp() + $7::bigint * interval '1 millisecond'
-         WHERE (SELECT count(*) FROM adapter_permits
-                WHERE adapter = $2 AND operation_class = $3 AND state <> 'released'
-                  AND expires_at > clock_timestamp()) < $8
+    Err(match limit {
+        None => StoreError::NotFound {
+            what: "adapter limit",
+        },
+        Some(limit) => StoreError::PermitsExhausted {
+            adapter: req.adapter.to_owned(),
+            operation_class: req.operation_class.to_owned(),
+            limit,
+        },
+    })
+}
+
+/// How often [`acquire_permit_in`] looks for a free slot before it calls the class full.
+const ACQUIRE_TRIES: usize = 3;
+
+async fn take_free_slot(
+    conn: &mut sqlx::PgConnection,
+    req: &PermitRequest<'_>,
+) -> Result<Option<Permit>> {
+    Ok(sqlx::query_as(concat!(
+        "WITH free AS (
+             SELECT s.slot FROM adapter_permit_slots s
+             JOIN adapter_limits l
+               ON l.adapter = s.adapter AND l.operation_class = s.operation_class
+             WHERE s.adapter = $2 AND s.operation_class = $3 AND s.slot < l.max_in_flight
+               AND (s.permit_id IS NULL OR s.expires_at <= clock_timestamp())
+             ORDER BY s.slot
+             LIMIT 1
+             FOR UPDATE OF s SKIP LOCKED
+         ), taken AS (
+             UPDATE adapter_permit_slots s
+             SET permit_id = $1,
+                 expires_at = clock_timestamp() + $7::bigint * interval '1 millisecond'
+             FROM free
+             WHERE s.adapter = $2 AND s.operation_class = $3 AND s.slot = free.slot
+             RETURNING s.slot, s.expires_at
+         )
+         INSERT INTO adapter_permits (id, adapter, operation_class, attempt_id,
+             request_identity, gateway, expires_at, slot)
+         SELECT $1, $2, $3, $4, $5, $6, expires_at, slot FROM taken
          RETURNING ",
         permit_columns!()
     ))
@@ -196,27 +265,28 @@ pub(crate) async fn acquire_permit_in(
     .bind(req.request_identity.as_str())
     .bind(req.gateway)
     .bind(millis(req.hold))
-    .bind(i64::from(limit))
-    .fetch_optional(&mut *conn)
-    .await?;
-    let permit = permit.ok_or_else(|| StoreError::PermitsExhausted {
-        adapter: req.adapter.to_owned(),
-        operation_class: req.operation_class.to_owned(),
-        limit,
-    })?;
-    Ok(permit)
+    .fetch_optional(conn)
+    .await?)
 }
 
-/// The statement of [`Store::release_permit`], on the caller's connection or transaction.
+/// The statement of [`Store::release_permit`], on the caller's connection or transaction:
+/// the permit's end and its slot freed (unless its hold ran out and another permit took it).
 pub(crate) async fn release_permit_in(
     conn: &mut sqlx::PgConnection,
     id: Uuid,
     reason: &str,
 ) -> Result<()> {
     sqlx::query(
-        "UPDATE adapter_permits
-         SET state = 'released', released_at = clock_timestamp(), release_reason = $2
-         WHERE id = $1 AND state <> 'released'",
+        "WITH p AS (
+             UPDATE adapter_permits
+             SET state = 'released', released_at = clock_timestamp(), release_reason = $2
+             WHERE id = $1 AND state <> 'released'
+             RETURNING adapter, operation_class, slot
+         )
+         UPDATE adapter_permit_slots s SET permit_id = NULL, expires_at = NULL
+         FROM p
+         WHERE s.adapter = p.adapter AND s.operation_class = p.operation_class
+           AND s.slot = p.slot AND s.permit_id = $1",
     )
     .bind(id)
     .bind(reason)

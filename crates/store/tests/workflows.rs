@@ -123,6 +123,147 @@ async fn a_receipt_releases_dependents_and_the_last_one_completes_the_workflow(p
     );
 }
 
+/// Siblings of a fan-out commit their receipts without waiting for each other: here both take
+/// their snapshot while the other is still open (a trigger holds each INSERT until both are
+/// in), so neither can see that it is the last. The workflow is then completed by the relay
+/// that publishes their `step_completed` messages, once, after their COMMITs.
+#[sqlx::test(migrator = "MIGRATOR")]
+async fn siblings_finishing_at_once_leave_the_workflow_to_the_relay(pool: PgPool) {
+    let store = Store::from_pool(pool.clone());
+    let s = submit(
+        &store,
+        &workflow("fan-out", vec![step("a", &[]), step("b", &[])]),
+    )
+    .await;
+    let claimed = store.claim(&owner("worker-a"), 10).await.unwrap();
+    assert_eq!(claimed.len(), 2);
+    for c in &claimed {
+        invoke(&store, c).await;
+    }
+    sqlx::raw_sql(
+        "CREATE FUNCTION test_gate() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN PERFORM pg_advisory_lock_shared(4242); PERFORM pg_advisory_unlock_shared(4242);
+               RETURN NEW; END $$;
+         CREATE TRIGGER test_gate AFTER INSERT ON step_receipts
+             FOR EACH ROW EXECUTE FUNCTION test_gate();",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let mut gate = pool.acquire().await.unwrap();
+    sqlx::query("SELECT pg_advisory_lock(4242)")
+        .execute(&mut *gate)
+        .await
+        .unwrap();
+    let commits: Vec<_> = claimed
+        .iter()
+        .map(|c| {
+            let (store, c) = (store.clone(), c.clone());
+            tokio::spawn(async move { store.commit_receipt(&c.lease, &success(&c, "ref")).await })
+        })
+        .collect();
+    // both receipts are inside their statement, each with a snapshot where the other is open
+    let mut waiting = 0;
+    for _ in 0..200 {
+        waiting = sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        if waiting == 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(waiting, 2, "both receipts should wait at the gate together");
+    sqlx::query("SELECT pg_advisory_unlock(4242)")
+        .execute(&mut *gate)
+        .await
+        .unwrap();
+    for t in commits {
+        t.await.unwrap().unwrap();
+    }
+    let wf = store.workflow(s.workflow).await.unwrap();
+    assert!(wf.steps.iter().all(|s| s.state == StepState::Completed));
+    assert_eq!(
+        wf.state,
+        WorkflowState::Running,
+        "neither sibling could know it was the last"
+    );
+
+    let relay = owner("relay-a");
+    let batch = store
+        .claim_outbox(&relay, 100, Duration::from_secs(30))
+        .await
+        .unwrap();
+    assert_eq!(
+        batch.iter().filter(|m| m.kind == "step_completed").count(),
+        2
+    );
+    let ids: Vec<i64> = batch.iter().map(|m| m.id).collect();
+    assert_eq!(store.mark_outbox_sent(&ids).await.unwrap(), ids.len() as u64);
+    let wf = store.workflow(s.workflow).await.unwrap();
+    assert_eq!(wf.state, WorkflowState::Completed);
+    let announced = store
+        .claim_outbox(&relay, 100, Duration::from_secs(30))
+        .await
+        .unwrap();
+    assert_eq!(announced.len(), 1, "{announced:?}");
+    assert_eq!(announced[0].kind, "workflow_changed");
+    assert_eq!(announced[0].payload["state"], "completed");
+    // marking again completes nothing twice
+    let again: Vec<i64> = announced.iter().map(|m| m.id).collect();
+    store.mark_outbox_sent(&again).await.unwrap();
+    assert!(
+        store
+            .claim_outbox(&relay, 100, Duration::from_secs(30))
+            .await
+            .unwrap()
+            .is_empty()
+    );
+}
+
+/// A sibling that fails while others are open still ends the workflow at once, and the
+/// relay's later pass over the successes' messages does not complete it.
+#[sqlx::test(migrator = "MIGRATOR")]
+async fn the_relay_never_completes_a_workflow_a_sibling_failed(pool: PgPool) {
+    let store = Store::from_pool(pool);
+    let s = submit(
+        &store,
+        &workflow("fan-out-fail", vec![step("a", &[]), step("b", &[])]),
+    )
+    .await;
+    let claimed = store.claim(&owner("worker-a"), 10).await.unwrap();
+    for c in &claimed {
+        invoke(&store, c).await;
+    }
+    store
+        .commit_receipt(&claimed[0].lease, &success(&claimed[0], "ref-a"))
+        .await
+        .unwrap();
+    let mut rejected = success(&claimed[1], "x");
+    rejected.outcome = z29c_core::Outcome::Failed;
+    rejected.external_reference = None;
+    store
+        .commit_receipt(&claimed[1].lease, &rejected)
+        .await
+        .unwrap();
+    let relay = owner("relay-a");
+    let batch = store
+        .claim_outbox(&relay, 100, Duration::from_secs(30))
+        .await
+        .unwrap();
+    store
+        .mark_outbox_sent(&batch.iter().map(|m| m.id).collect::<Vec<_>>())
+        .await
+        .unwrap();
+    assert_eq!(
+        store.workflow(s.workflow).await.unwrap().state,
+        WorkflowState::Failed
+    );
+}
+
 #[sqlx::test(migrator = "MIGRATOR")]
 async fn a_failed_receipt_fails_the_workflow_and_stops_the_rest(pool: PgPool) {
     let store = Store::from_pool(pool);
@@ -252,6 +393,86 @@ async fn permits_never_exceed_the_limit_under_concurrency(pool: PgPool) {
             .await,
         Err(StoreError::NotFound { .. })
     ));
+}
+
+fn permit_request<'a>(id: &'a RequestIdentity, hold: Duration) -> PermitRequest<'a> {
+    PermitRequest {
+        adapter: "http",
+        operation_class: "create",
+        attempt: None,
+        request_identity: id,
+        gateway: "gw-a",
+        hold,
+    }
+}
+
+/// A permit whose holder never released it stops counting when its hold runs out: its slot
+/// goes to the next caller, and the old holder's late release frees nothing of the new one's.
+#[sqlx::test(migrator = "MIGRATOR")]
+async fn an_expired_permits_slot_is_taken_again_and_its_late_release_frees_nothing(
+    pool: PgPool,
+) {
+    let store = Store::from_pool(pool);
+    store.set_permit_limit("http", "create", 1).await.unwrap();
+    let id = RequestIdentity::parse("req").unwrap();
+    let old = store
+        .acquire_permit(&permit_request(&id, Duration::from_millis(100)))
+        .await
+        .unwrap();
+    let long = permit_request(&id, Duration::from_secs(30));
+    assert!(matches!(
+        store.acquire_permit(&long).await,
+        Err(StoreError::PermitsExhausted { limit: 1, .. })
+    ));
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let new = store.acquire_permit(&long).await.unwrap();
+    store.release_permit(old.id, "late").await.unwrap();
+    assert!(
+        matches!(
+            store.acquire_permit(&long).await,
+            Err(StoreError::PermitsExhausted { .. })
+        ),
+        "the new holder still counts"
+    );
+    store.release_permit(new.id, "succeeded").await.unwrap();
+    store.acquire_permit(&long).await.unwrap();
+}
+
+/// A raised limit adds slots at once; a lowered one grants nothing above it, and the permits
+/// above it end as they are released.
+#[sqlx::test(migrator = "MIGRATOR")]
+async fn a_changed_limit_is_obeyed_by_the_next_permit(pool: PgPool) {
+    let store = Store::from_pool(pool.clone());
+    let id = RequestIdentity::parse("req").unwrap();
+    let req = permit_request(&id, Duration::from_secs(30));
+    store.set_permit_limit("http", "create", 1).await.unwrap();
+    let first = store.acquire_permit(&req).await.unwrap();
+    store.set_permit_limit("http", "create", 3).await.unwrap();
+    let second = store.acquire_permit(&req).await.unwrap();
+    let third = store.acquire_permit(&req).await.unwrap();
+    assert!(matches!(
+        store.acquire_permit(&req).await,
+        Err(StoreError::PermitsExhausted { limit: 3, .. })
+    ));
+    store.set_permit_limit("http", "create", 1).await.unwrap();
+    store.release_permit(second.id, "succeeded").await.unwrap();
+    store.release_permit(third.id, "succeeded").await.unwrap();
+    assert!(matches!(
+        store.acquire_permit(&req).await,
+        Err(StoreError::PermitsExhausted { limit: 1, .. })
+    ));
+    store.release_permit(first.id, "succeeded").await.unwrap();
+    store.acquire_permit(&req).await.unwrap();
+    assert!(matches!(
+        store.acquire_permit(&req).await,
+        Err(StoreError::PermitsExhausted { limit: 1, .. })
+    ));
+    store.set_permit_limit("http", "create", 1).await.unwrap();
+    let slots: i64 = sqlx::query_scalar("SELECT count(*) FROM adapter_permit_slots")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(slots, 1, "the freed slots above the limit are gone");
 }
 
 /// A configuration error is not retried: bad credentials fail at once, while an unreachable
