@@ -205,6 +205,11 @@ struct BenchArgs {
     /// on) instead of DATABASE_URL's server.
     #[arg(long)]
     private_postgres: bool,
+    /// Profile the statements (implies --private-postgres, with pg_stat_statements loaded):
+    /// prints, at the end, the statements that took the most server time, with their calls,
+    /// mean time and rows, over every system the run measured.
+    #[arg(long)]
+    profile_statements: bool,
     /// Where the JSON report goes; the plot goes beside it (`.svg`).
     #[arg(long, default_value = "target/bench/bench.json")]
     out: std::path::PathBuf,
@@ -212,13 +217,26 @@ struct BenchArgs {
 
 async fn bench(a: BenchArgs) -> Result<()> {
     use z29c_scenarios::infra::{DURABLE_SETTINGS, PrivatePostgres};
-    if !a.private_postgres {
+    if !a.private_postgres && !a.profile_statements {
         return bench_on(a).await;
     }
     say("starting a PostgreSQL of the benchmark's own (initdb; durable, autovacuum on)…");
-    let pg = PrivatePostgres::start_with(DURABLE_SETTINGS).await?;
+    let mut settings = DURABLE_SETTINGS.to_vec();
+    if a.profile_statements {
+        settings.extend([
+            "shared_preload_libraries=pg_stat_statements",
+            "pg_stat_statements.track=all",
+        ]);
+    }
+    let pg = PrivatePostgres::start_with(&settings).await?;
     z29c_scenarios::use_server(pg.admin_url());
-    let result = bench_on(a).await;
+    let profile = a.profile_statements;
+    let mut result = bench_on(a).await;
+    if profile && result.is_ok() {
+        result = z29c_scenarios::bench::statement_profile(&pg.admin_url(), 30)
+            .await
+            .map(|table| say(&table));
+    }
     pg.stop().await;
     result
 }

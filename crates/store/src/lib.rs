@@ -117,6 +117,24 @@ impl Store {
         Ok(tx)
     }
 
+    /// A transaction whose COMMIT does not wait for its WAL to reach disk
+    /// (`synchronous_commit = off`, one round trip with the BEGIN), for bookkeeping whose loss
+    /// in a server crash is safe: the permit's release (a lost one leaves the permit counting
+    /// until its hold runs out) and the outbox relay's marks (a lost one republishes under the
+    /// same `Nats-Msg-Id`, which JetStream drops). A later durable COMMIT on the server flushes
+    /// it too. Never for a lease, a checkpoint or a receipt.
+    pub(crate) async fn begin_relaxed(&self) -> Result<sqlx::Transaction<'static, sqlx::Postgres>> {
+        let pool = self.pool.clone();
+        // in a task of its own, for the reason given at [`Store::begin`]
+        let tx = tokio::spawn(async move {
+            pool.begin_with("BEGIN; SET LOCAL synchronous_commit = off")
+                .await
+        })
+        .await
+        .map_err(|e| StoreError::Database(sqlx::Error::Protocol(format!("BEGIN task: {e}"))))??;
+        Ok(tx)
+    }
+
     /// Whether PostgreSQL answers a trivial query now (readiness).
     pub async fn ping(&self) -> bool {
         sqlx::query("SELECT 1").execute(&self.pool).await.is_ok()
@@ -165,6 +183,31 @@ mod tests {
             .execute(pool)
             .await
             .is_ok()
+    }
+
+    /// A relaxed transaction commits without waiting for the disk, and only it: the setting
+    /// ends with it, so the session's next borrower commits durably again.
+    #[sqlx::test(migrations = false)]
+    async fn a_relaxed_commit_is_relaxed_for_its_own_transaction_only(
+        _: PgPoolOptions,
+        connect: PgConnectOptions,
+    ) {
+        let pool = PgPoolOptions::new()
+            .max_connections(1)
+            .connect_with(connect)
+            .await
+            .expect("pool");
+        let store = Store::from_pool(pool.clone());
+        let show = "SELECT current_setting('synchronous_commit')";
+        let mut tx = store.begin_relaxed().await.unwrap();
+        let inside: String = sqlx::query_scalar(show).fetch_one(&mut *tx).await.unwrap();
+        tx.commit().await.unwrap();
+        assert_eq!(inside, "off");
+        let after: String = sqlx::query_scalar(show).fetch_one(&pool).await.unwrap();
+        assert_eq!(after, "on");
+        let mut tx = store.begin().await.unwrap();
+        let durable: String = sqlx::query_scalar(show).fetch_one(&mut *tx).await.unwrap();
+        assert_eq!(durable, "on");
     }
 
     #[sqlx::test(migrations = false)]

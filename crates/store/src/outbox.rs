@@ -112,8 +112,12 @@ impl Store {
     /// `leases::finish_step`), so siblings finishing at once may each have seen the others
     /// open; this runs after their COMMITs, on a snapshot that holds them all, and the row
     /// lock of the `UPDATE` waits for a step's failure or a cancellation in flight.
+    ///
+    /// Its COMMIT does not wait for the disk ([`Store::begin_relaxed`]): a mark lost in a
+    /// server crash republishes under the same `Nats-Msg-Id`, and the completion is redone.
     pub async fn mark_outbox_sent(&self, ids: &[i64]) -> Result<u64> {
-        Ok(sqlx::query_scalar(
+        let mut tx = self.begin_relaxed().await?;
+        let sent = sqlx::query_scalar(
             "WITH sent AS (
                  DELETE FROM outbox WHERE id = ANY($1) AND sent_at IS NULL
                  RETURNING workflow_id, kind
@@ -136,9 +140,11 @@ impl Store {
         .bind(MessageKind::StepCompleted.as_str())
         .bind(MessageKind::WorkflowChanged.as_str())
         .bind(serde_json::json!({ "state": WorkflowState::Completed.as_str() }))
-        .fetch_one(&self.pool)
+        .fetch_one(&mut *tx)
         .await
-        .map(|n: i64| n as u64)?)
+        .map(|n: i64| n as u64)?;
+        tx.commit().await?;
+        Ok(sent)
     }
 
     /// How many messages wait to be published.

@@ -62,10 +62,10 @@ pub(crate) async fn release_unknown_for(
              WHERE request_identity = $1 AND state = 'unknown'
              RETURNING id, adapter, operation_class, slot
          ), freed AS (
+             -- one row per permit, each looked up by its key (see `take_free_slot`)
              UPDATE adapter_permit_slots s SET permit_id = NULL, expires_at = NULL
-             FROM p
-             WHERE s.adapter = p.adapter AND s.operation_class = p.operation_class
-               AND s.slot = p.slot AND s.permit_id = p.id
+             WHERE (s.adapter, s.operation_class, s.slot, s.permit_id)
+                   IN (SELECT adapter, operation_class, slot, id FROM p)
          )
          SELECT 1 FROM p",
     )
@@ -90,24 +90,21 @@ impl Store {
             return Err(StoreError::invalid("max_in_flight", "must be positive"));
         }
         let mut tx = self.begin().await?;
-        sqlx::query(
+        let changed = sqlx::query(
             "INSERT INTO adapter_limits (adapter, operation_class, max_in_flight)
              VALUES ($1, $2, $3)
              ON CONFLICT (adapter, operation_class)
-             DO UPDATE SET max_in_flight = EXCLUDED.max_in_flight, updated_at = now()",
+             DO UPDATE SET max_in_flight = EXCLUDED.max_in_flight, updated_at = now()
+             WHERE adapter_limits.max_in_flight <> EXCLUDED.max_in_flight",
         )
         .bind(adapter)
         .bind(operation_class)
         .bind(max_in_flight)
         .execute(&mut *tx)
         .await?;
+        // the slots that permits ended on since a lowered limit go now
         sqlx::query(
-            "WITH added AS (
-                 INSERT INTO adapter_permit_slots (adapter, operation_class, slot)
-                 SELECT $1, $2, g FROM generate_series(0, $3 - 1) AS g
-                 ON CONFLICT DO NOTHING
-             )
-             DELETE FROM adapter_permit_slots
+            "DELETE FROM adapter_permit_slots
              WHERE adapter = $1 AND operation_class = $2 AND slot >= $3
                AND (permit_id IS NULL OR expires_at <= clock_timestamp())",
         )
@@ -116,7 +113,27 @@ impl Store {
         .bind(max_in_flight)
         .execute(&mut *tx)
         .await?;
+        // a limit as it was has its slots: gateways racing to set a class's default on its
+        // first call, say, make them once
+        if changed.rows_affected() == 0 {
+            tx.commit().await?;
+            return Ok(());
+        }
+        sqlx::query(
+            "INSERT INTO adapter_permit_slots (adapter, operation_class, slot)
+             SELECT $1, $2, g FROM generate_series(0, $3 - 1) AS g
+             ON CONFLICT DO NOTHING",
+        )
+        .bind(adapter)
+        .bind(operation_class)
+        .bind(max_in_flight)
+        .execute(&mut *tx)
+        .await?;
         tx.commit().await?;
+        // the slots are looked up by key; fresh statistics keep every plan on the key
+        sqlx::query("ANALYZE adapter_permit_slots")
+            .execute(&self.pool)
+            .await?;
         Ok(())
     }
 
@@ -128,9 +145,14 @@ impl Store {
     }
 
     /// Releases a permit on a known outcome (or after resolution). Releasing twice is a no-op.
+    /// Its COMMIT does not wait for the disk ([`Store::begin_relaxed`]): a release lost in a
+    /// server crash leaves the permit counting until its hold runs out, which errs on the safe
+    /// side.
     pub async fn release_permit(&self, id: Uuid, reason: &str) -> Result<()> {
-        let mut conn = self.pool.acquire().await?;
-        release_permit_in(&mut conn, id, reason).await
+        let mut tx = self.begin_relaxed().await?;
+        release_permit_in(&mut tx, id, reason).await?;
+        tx.commit().await?;
+        Ok(())
     }
 
     /// Keeps a permit counting after an unknown outcome, for at most `safety_window`: the call
@@ -144,10 +166,10 @@ impl Store {
                  WHERE id = $1 AND state = 'held'
                  RETURNING id, adapter, operation_class, slot, expires_at
              )
-             UPDATE adapter_permit_slots s SET expires_at = p.expires_at
-             FROM p
-             WHERE s.adapter = p.adapter AND s.operation_class = p.operation_class
-               AND s.slot = p.slot AND s.permit_id = p.id",
+             UPDATE adapter_permit_slots SET expires_at = (SELECT expires_at FROM p)
+             WHERE adapter = (SELECT adapter FROM p)
+               AND operation_class = (SELECT operation_class FROM p)
+               AND slot = (SELECT slot FROM p) AND permit_id = $1",
         )
         .bind(id)
         .bind(millis(safety_window))
@@ -235,22 +257,23 @@ async fn take_free_slot(
     req: &PermitRequest<'_>,
 ) -> Result<Option<Permit>> {
     Ok(sqlx::query_as(concat!(
-        "WITH free AS (
-             SELECT s.slot FROM adapter_permit_slots s
-             JOIN adapter_limits l
-               ON l.adapter = s.adapter AND l.operation_class = s.operation_class
-             WHERE s.adapter = $2 AND s.operation_class = $3 AND s.slot < l.max_in_flight
-               AND (s.permit_id IS NULL OR s.expires_at <= clock_timestamp())
-             ORDER BY s.slot
-             LIMIT 1
-             FOR UPDATE OF s SKIP LOCKED
-         ), taken AS (
-             UPDATE adapter_permit_slots s
+        // every slot is named by its whole key, never joined: a join lets the planner walk
+        // all of a class's slots for the one it wants (60 ms at 100,000 slots)
+        "WITH taken AS (
+             UPDATE adapter_permit_slots
              SET permit_id = $1,
                  expires_at = clock_timestamp() + $7::bigint * interval '1 millisecond'
-             FROM free
-             WHERE s.adapter = $2 AND s.operation_class = $3 AND s.slot = free.slot
-             RETURNING s.slot, s.expires_at
+             WHERE adapter = $2 AND operation_class = $3
+               AND slot = (
+                   SELECT slot FROM adapter_permit_slots
+                   WHERE adapter = $2 AND operation_class = $3
+                     AND slot < (SELECT max_in_flight FROM adapter_limits
+                                 WHERE adapter = $2 AND operation_class = $3)
+                     AND (permit_id IS NULL OR expires_at <= clock_timestamp())
+                   ORDER BY slot
+                   LIMIT 1
+                   FOR UPDATE SKIP LOCKED)
+             RETURNING slot, expires_at
          )
          INSERT INTO adapter_permits (id, adapter, operation_class, attempt_id,
              request_identity, gateway, expires_at, slot)
@@ -283,10 +306,10 @@ pub(crate) async fn release_permit_in(
              WHERE id = $1 AND state <> 'released'
              RETURNING adapter, operation_class, slot
          )
-         UPDATE adapter_permit_slots s SET permit_id = NULL, expires_at = NULL
-         FROM p
-         WHERE s.adapter = p.adapter AND s.operation_class = p.operation_class
-           AND s.slot = p.slot AND s.permit_id = $1",
+         UPDATE adapter_permit_slots SET permit_id = NULL, expires_at = NULL
+         WHERE adapter = (SELECT adapter FROM p)
+           AND operation_class = (SELECT operation_class FROM p)
+           AND slot = (SELECT slot FROM p) AND permit_id = $1",
     )
     .bind(id)
     .bind(reason)

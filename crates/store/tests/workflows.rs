@@ -202,7 +202,10 @@ async fn siblings_finishing_at_once_leave_the_workflow_to_the_relay(pool: PgPool
         2
     );
     let ids: Vec<i64> = batch.iter().map(|m| m.id).collect();
-    assert_eq!(store.mark_outbox_sent(&ids).await.unwrap(), ids.len() as u64);
+    assert_eq!(
+        store.mark_outbox_sent(&ids).await.unwrap(),
+        ids.len() as u64
+    );
     let wf = store.workflow(s.workflow).await.unwrap();
     assert_eq!(wf.state, WorkflowState::Completed);
     let announced = store
@@ -409,9 +412,7 @@ fn permit_request<'a>(id: &'a RequestIdentity, hold: Duration) -> PermitRequest<
 /// A permit whose holder never released it stops counting when its hold runs out: its slot
 /// goes to the next caller, and the old holder's late release frees nothing of the new one's.
 #[sqlx::test(migrator = "MIGRATOR")]
-async fn an_expired_permits_slot_is_taken_again_and_its_late_release_frees_nothing(
-    pool: PgPool,
-) {
+async fn an_expired_permits_slot_is_taken_again_and_its_late_release_frees_nothing(pool: PgPool) {
     let store = Store::from_pool(pool);
     store.set_permit_limit("http", "create", 1).await.unwrap();
     let id = RequestIdentity::parse("req").unwrap();
