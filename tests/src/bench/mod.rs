@@ -313,7 +313,8 @@ pub(crate) fn topology(recoveries: usize, grouped: bool) -> Topology {
         gateways: 1,
         executors: 0,
         recoveries,
-        permit_limit: 100_000,
+        // far above any concurrency measured: the limit never binds, and its slots are few
+        permit_limit: 4_096,
         env: vec![("Z29C_GROUP_COMMIT".into(), grouped.to_string())],
         ..Topology::default()
     }
