@@ -294,7 +294,7 @@ impl Cluster {
             &[("Z29C_LISTEN", format!("127.0.0.1:{destination_port}"))],
         )?;
         cluster.processes.push(dest);
-        wait_for_port(destination_port).await?;
+        cluster.wait_listening(destination_port).await?;
         for _ in 0..gateways {
             cluster.add_gateway(permit_limit).await?;
         }
@@ -305,7 +305,7 @@ impl Cluster {
             &[("Z29C_LISTEN", format!("127.0.0.1:{port}"))],
         )?;
         cluster.processes.push(sched);
-        wait_for_port(port).await?;
+        cluster.wait_listening(port).await?;
         cluster.scheduler_url = format!("{scheme}://127.0.0.1:{port}");
         for _ in 0..executors {
             cluster.add_executor().await?;
@@ -443,7 +443,7 @@ impl Cluster {
         self.processes.push(p);
         self.gateway_urls
             .push(format!("{}://127.0.0.1:{port}", self.scheme()));
-        wait_for_port(port).await
+        self.wait_listening(port).await
     }
 
     /// Starts one more recovery worker.
@@ -471,7 +471,7 @@ impl Cluster {
             .collect::<Vec<_>>(),
         )?;
         self.processes.push(p);
-        wait_for_port(port).await?;
+        self.wait_listening(port).await?;
         if self.review_url.is_empty() {
             self.review_url = format!("{}://127.0.0.1:{port}", self.scheme());
             self.recovery_metrics_url = format!("http://127.0.0.1:{metrics_port}/metrics");
@@ -503,7 +503,7 @@ impl Cluster {
             &[],
         )?;
         self.processes.push(p);
-        wait_for_port(port).await?;
+        self.wait_listening(port).await?;
         Ok(format!("http://127.0.0.1:{port}"))
     }
 
@@ -746,19 +746,36 @@ impl Cluster {
     }
 }
 
-async fn wait_for_port(port: u16) -> Result<()> {
-    let start = Instant::now();
-    // a service waits up to 30 s for PostgreSQL before it listens (Store::connect)
-    while start.elapsed() < Duration::from_secs(45) {
-        if tokio::net::TcpStream::connect(("127.0.0.1", port))
-            .await
-            .is_ok()
-        {
-            return Ok(());
+impl Cluster {
+    /// Waits until the process started last listens on `port`. If it exits first (a port taken
+    /// between `free_port` and its bind, a bad configuration), fails at once with the logs
+    /// instead of waiting out the 45 s.
+    async fn wait_listening(&mut self, port: u16) -> Result<()> {
+        let start = Instant::now();
+        // a service waits up to 30 s for PostgreSQL before it listens (Store::connect)
+        while start.elapsed() < Duration::from_secs(45) {
+            if tokio::net::TcpStream::connect(("127.0.0.1", port))
+                .await
+                .is_ok()
+            {
+                return Ok(());
+            }
+            if let Some(p) = self.processes.last_mut()
+                && p.exited()
+            {
+                let name = p.name.clone();
+                bail!(
+                    "{name} exited before it listened on 127.0.0.1:{port}\n{}",
+                    self.log_warnings()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
         }
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        bail!(
+            "nothing listened on 127.0.0.1:{port} within 45 s\n{}",
+            self.log_warnings()
+        )
     }
-    bail!("nothing listened on 127.0.0.1:{port} within 45 s")
 }
 
 /// One step whose calls time out quickly, so an unknown outcome comes fast.
