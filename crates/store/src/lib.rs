@@ -108,13 +108,7 @@ impl Store {
     /// whatever happens to the caller; a transaction nobody awaits any more is dropped in that
     /// task, which rolls it back as sqlx does for any begun transaction.
     pub(crate) async fn begin(&self) -> Result<sqlx::Transaction<'static, sqlx::Postgres>> {
-        let pool = self.pool.clone();
-        let tx = tokio::spawn(async move { pool.begin().await })
-            .await
-            .map_err(|e| {
-                StoreError::Database(sqlx::Error::Protocol(format!("BEGIN task: {e}")))
-            })??;
-        Ok(tx)
+        self.begin_in_task(None).await
     }
 
     /// A transaction whose COMMIT does not wait for its WAL to reach disk
@@ -124,11 +118,21 @@ impl Store {
     /// same `Nats-Msg-Id`, which JetStream drops). A later durable COMMIT on the server flushes
     /// it too. Never for a lease, a checkpoint or a receipt.
     pub(crate) async fn begin_relaxed(&self) -> Result<sqlx::Transaction<'static, sqlx::Postgres>> {
+        self.begin_in_task(Some("BEGIN; SET LOCAL synchronous_commit = off"))
+            .await
+    }
+
+    /// `BEGIN` (or `statement`) in a task of its own, for the reason given at [`Store::begin`].
+    async fn begin_in_task(
+        &self,
+        statement: Option<&'static str>,
+    ) -> Result<sqlx::Transaction<'static, sqlx::Postgres>> {
         let pool = self.pool.clone();
-        // in a task of its own, for the reason given at [`Store::begin`]
         let tx = tokio::spawn(async move {
-            pool.begin_with("BEGIN; SET LOCAL synchronous_commit = off")
-                .await
+            match statement {
+                Some(s) => pool.begin_with(s).await,
+                None => pool.begin().await,
+            }
         })
         .await
         .map_err(|e| StoreError::Database(sqlx::Error::Protocol(format!("BEGIN task: {e}"))))??;
