@@ -131,7 +131,8 @@ async fn a_pure_retry_is_a_lease_expiry_without_an_unknown_outcome() -> Result<(
         .await?;
     let port = free_port()?;
     let listen = format!("127.0.0.1:{port}");
-    // the first worker dies before it persisted a request identity: nothing was sent
+    // the first worker dies right after its claim (which persisted the identity): nothing
+    // was sent
     cluster
         .add_executor_with(&[
             ("Z29C_FAULT_CRASH", "after_attempt_created"),
@@ -157,7 +158,7 @@ async fn a_pure_retry_is_a_lease_expiry_without_an_unknown_outcome() -> Result<(
         &cluster.recovery_metrics_url,
         &[
             "z29c_lease_recoveries_total 1",
-            "z29c_step_recovery_decisions_total{category=\"no_request_identity\",decision=\"make_ready\",capability=\"opaque\"} 1",
+            "z29c_step_recovery_decisions_total{category=\"identity_not_invoked\",decision=\"retry\",capability=\"opaque\"} 1",
         ],
     )
     .await?;

@@ -57,19 +57,8 @@ async fn attempt(ctx: &Context, step: &ClaimedStep) -> Result<(), StoreError> {
     let claimed_at = Instant::now();
     let store = &ctx.store;
     let lease = &step.lease;
+    // the claim created the attempt with its request identity, in one transaction
     crash_if_armed(CrashPoint::after(Checkpoint::AttemptCreated));
-
-    match &ctx.commits {
-        Some(g) => {
-            g.persist_request_identity(lease, &step.request_identity)
-                .await?
-        }
-        None => {
-            store
-                .persist_request_identity(lease, &step.request_identity)
-                .await?
-        }
-    };
     crash_if_armed(CrashPoint::after(Checkpoint::RequestIdentityPersisted));
 
     // safe boundary: nothing has been sent yet

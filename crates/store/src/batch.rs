@@ -18,7 +18,7 @@ use sqlx::{Connection, PgConnection};
 use tokio::sync::{Mutex, mpsc, oneshot};
 
 use uuid::Uuid;
-use z29c_core::{LeaseClaim, RequestIdentity};
+use z29c_core::LeaseClaim;
 
 use crate::leases::{self, CommitOutcome, Observed};
 use crate::permits::{self, Permit, PermitRequest};
@@ -139,21 +139,6 @@ async fn committer(store: Store, rx: Arc<Mutex<mpsc::Receiver<Job>>>, max_batch:
 /// The attempt protocol's writes and the gateway's permits, through a [`GroupCommit`]: the same
 /// statements and fences as the [`Store`] methods of the same names, sharing a `COMMIT`.
 impl GroupCommit {
-    /// [`Store::persist_request_identity`], group-committed.
-    pub async fn persist_request_identity(
-        &self,
-        claim: &LeaseClaim,
-        identity: &RequestIdentity,
-    ) -> Result<i64> {
-        let (claim, identity) = (claim.clone(), identity.clone());
-        self.run(Uuid::nil(), move |conn| {
-            Box::pin(
-                async move { leases::persist_request_identity_in(conn, &claim, &identity).await },
-            )
-        })
-        .await
-    }
-
     /// [`Store::begin_invocation`], group-committed.
     pub async fn begin_invocation(&self, claim: &LeaseClaim) -> Result<i64> {
         let claim = claim.clone();

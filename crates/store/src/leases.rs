@@ -1,5 +1,6 @@
-//! The attempt protocol's writes (DESIGN.md §5): claim, persist the request identity, begin
-//! the invocation, renew, commit the receipt, or keep a stale result as a late observation.
+//! The attempt protocol's writes (DESIGN.md §5): claim (which persists the request identity
+//! with the attempt), begin the invocation, renew, commit the receipt, or keep a stale result as
+//! a late observation.
 //! Every write after the claim is fenced (see the crate docs).
 
 use std::time::Duration;
@@ -171,6 +172,12 @@ impl Store {
     /// Claims up to `max` ready, eligible steps of running workflows for `owner`, in one
     /// statement: `FOR UPDATE SKIP LOCKED`, `lease_version + 1`, `expires_at = now() + lease`,
     /// a new attempt and a `lease_acquired` event per step.
+    ///
+    /// The attempt is created at checkpoint *request identity persisted* (DESIGN.md §5 steps 1
+    /// and 2 in one transaction): the identity is the step's own, kept from an earlier attempt,
+    /// or [`RequestIdentity::for_step`], which depends on nothing but the step. So no attempt
+    /// ever exists without its identity, and the step saves a commit. The SQL spells
+    /// `for_step`'s format; `claim_persists_the_steps_stable_request_identity` holds them equal.
     pub async fn claim(&self, owner: &OwnerId, max: i64) -> Result<Vec<ClaimedStep>> {
         let rows = sqlx::query_as::<_, ClaimRow>(
             "WITH picked AS (
@@ -187,14 +194,18 @@ impl Store {
                      expires_at = now() + s.lease_ms * interval '1 millisecond',
                      attempt_deadline = now() + s.attempt_deadline_ms * interval '1 millisecond',
                      current_attempt_id = gen_random_uuid(),
-                     attempts_made = s.attempts_made + 1, updated_at = now()
+                     attempts_made = s.attempts_made + 1,
+                     request_identity = coalesce(s.request_identity,
+                         'z29c:' || s.workflow_id::text || ':' || s.name),
+                     checkpoint_version = s.checkpoint_version + 1, updated_at = now()
                  FROM picked WHERE s.id = picked.id
                  RETURNING s.*
              ), attempt AS (
                  INSERT INTO attempts (id, step_id, workflow_id, number, lease_version, owner,
-                     request_identity, input_digest, adapter, attempt_deadline)
+                     request_identity, checkpoint, input_digest, adapter, attempt_deadline)
                  SELECT current_attempt_id, id, workflow_id, attempts_made, lease_version,
-                     lease_owner, NULL, input_digest, adapter, attempt_deadline
+                     lease_owner, request_identity, 'request_identity_persisted', input_digest,
+                     adapter, attempt_deadline
                  FROM leased
              ), event AS (
                  INSERT INTO step_events (workflow_id, step_id, attempt_id, lease_version, owner,
@@ -202,6 +213,12 @@ impl Store {
                  SELECT workflow_id, id, current_attempt_id, lease_version, lease_owner,
                      'lease_acquired',
                      jsonb_build_object('expires_at', expires_at, 'attempt', attempts_made)
+                 FROM leased
+                 UNION ALL
+                 SELECT workflow_id, id, current_attempt_id, lease_version, lease_owner,
+                     $3,
+                     jsonb_build_object('checkpoint', 'request_identity_persisted',
+                                        'checkpoint_version', checkpoint_version)
                  FROM leased
              )
              SELECT l.id, l.workflow_id, l.name, l.adapter, l.operation, l.input,
@@ -214,8 +231,8 @@ impl Store {
              FROM leased l JOIN workflows w ON w.id = l.workflow_id",
         )
         .bind(owner.as_str())
-        .bind(max);
-        let before_commit = CrashPoint::before(Checkpoint::AttemptCreated);
+        .bind(max)
+        .bind(EventKind::Checkpoint.as_str());
         let mut tx = self.begin().await?;
         // The ready index, walked in order, is the only plan that stays cheap however many
         // steps wait: after a burst of submissions the statistics still describe a small
@@ -226,23 +243,12 @@ impl Store {
             .await?;
         let rows = rows.fetch_all(&mut *tx).await?;
         if !rows.is_empty() {
-            faults::crash_if_armed(before_commit);
+            // the attempt and its request identity are one transaction: both points are here
+            faults::crash_if_armed(CrashPoint::before(Checkpoint::AttemptCreated));
+            faults::crash_if_armed(CrashPoint::before(Checkpoint::RequestIdentityPersisted));
         }
         tx.commit().await?;
         rows.into_iter().map(ClaimedStep::try_from).collect()
-    }
-
-    /// Checkpoint *request identity persisted* (fenced). The identity is stable: once a step has
-    /// one, a different one is a conflict. Returns the new checkpoint version.
-    pub async fn persist_request_identity(
-        &self,
-        claim: &LeaseClaim,
-        identity: &RequestIdentity,
-    ) -> Result<i64> {
-        let mut tx = self.begin().await?;
-        let out = persist_request_identity_in(&mut tx, claim, identity).await?;
-        tx.commit().await?;
-        Ok(out)
     }
 
     /// Checkpoint *invocation began* (fenced), committed before the adapter is called: from
@@ -893,53 +899,6 @@ pub(crate) async fn stop_unstarted_steps(
         .await?;
     }
     Ok(())
-}
-
-/// The statements of [`Store::persist_request_identity`], on the caller's transaction (alone, or a shared
-/// one: [`crate::batch::GroupCommit`]).
-pub(crate) async fn persist_request_identity_in(
-    conn: &mut PgConnection,
-    claim: &LeaseClaim,
-    identity: &RequestIdentity,
-) -> Result<i64> {
-    let held = fence::fence(
-        &mut *conn,
-        claim,
-        FencedWrite::Advance(Checkpoint::RequestIdentityPersisted),
-    )
-    .await?;
-    if let Some(existing) = &held.request_identity
-        && existing != identity.as_str()
-    {
-        return Err(StoreError::Conflict(format!(
-            "step already has request identity {existing:?}"
-        )));
-    }
-    // the step's identity, the attempt's checkpoint and its event: one statement
-    sqlx::query(
-        "WITH s AS (UPDATE steps SET request_identity = $2 WHERE id = $1),
-              a AS (UPDATE attempts SET request_identity = $2,
-                        checkpoint = 'request_identity_persisted', updated_at = now()
-                    WHERE id = $3)
-         INSERT INTO step_events (workflow_id, step_id, attempt_id, lease_version, owner, kind,
-                                  detail)
-         VALUES ($4, $1, $3, $5, $6, $7, $8)",
-    )
-    .bind(claim.step.as_uuid())
-    .bind(identity.as_str())
-    .bind(claim.attempt.as_uuid())
-    .bind(held.workflow)
-    .bind(claim.version.get())
-    .bind(claim.owner.as_str())
-    .bind(EventKind::Checkpoint.as_str())
-    .bind(checkpoint_detail(
-        &held,
-        Checkpoint::RequestIdentityPersisted,
-    ))
-    .execute(&mut *conn)
-    .await?;
-    faults::crash_if_armed(CrashPoint::before(Checkpoint::RequestIdentityPersisted));
-    Ok(held.checkpoint_version)
 }
 
 /// The statements of [`Store::begin_invocation`], on the caller's transaction (alone, or a shared

@@ -28,17 +28,19 @@ async fn expired_lease_cannot_record_a_checkpoint(pool: PgPool) {
     let store = Store::from_pool(pool.clone());
     let c = claimed_single(&store, "k1", "worker-a").await;
     expire(&pool, c.lease.step).await;
-    let r = store
-        .persist_request_identity(&c.lease, &c.request_identity)
-        .await;
+    let r = store.begin_invocation(&c.lease).await;
     assert_eq!(fenced(r), FenceReason::Expired);
-    let stored: Option<String> =
-        sqlx::query_scalar("SELECT request_identity FROM attempts WHERE id = $1")
+    let stored: (String, Option<chrono::DateTime<chrono::Utc>>) =
+        sqlx::query_as("SELECT checkpoint::text, invocation_began_at FROM attempts WHERE id = $1")
             .bind(c.lease.attempt.as_uuid())
             .fetch_one(&pool)
             .await
             .unwrap();
-    assert_eq!(stored, None, "a fenced write leaves nothing behind");
+    assert_eq!(
+        stored,
+        ("request_identity_persisted".into(), None),
+        "a fenced write leaves nothing behind"
+    );
 }
 
 #[sqlx::test(migrator = "MIGRATOR")]
@@ -53,10 +55,6 @@ async fn lease_expires_by_database_time(pool: PgPool) {
         1_000,
         "expiry is PostgreSQL's now() plus the policy's lease"
     );
-    store
-        .persist_request_identity(&c.lease, &c.request_identity)
-        .await
-        .unwrap();
     assert!(store.scan_expired(10).await.unwrap().is_empty());
     tokio::time::sleep(Duration::from_millis(1_200)).await;
     let expired = store.scan_expired(10).await.unwrap();
@@ -129,10 +127,7 @@ async fn expired_lease_cannot_renew_or_commit(pool: PgPool) {
 async fn renewal_carries_the_latest_checkpoint_version(pool: PgPool) {
     let store = Store::from_pool(pool);
     let c = claimed_single(&store, "k1", "worker-a").await;
-    let v1 = store
-        .persist_request_identity(&c.lease, &c.request_identity)
-        .await
-        .unwrap();
+    let v1 = c.checkpoint_version;
     let renewed = store.renew(&c.lease, v1).await.unwrap();
     assert!(renewed.expires_at > renewed.db_now);
     let v2 = store.begin_invocation(&c.lease).await.unwrap();
@@ -155,11 +150,7 @@ async fn another_owner_cannot_write_under_a_lease(pool: PgPool) {
     forged.owner = owner("worker-b");
     assert_eq!(fenced(store.renew(&forged, 0).await), FenceReason::NotOwner);
     assert_eq!(
-        fenced(
-            store
-                .persist_request_identity(&forged, &c.request_identity)
-                .await
-        ),
+        fenced(store.begin_invocation(&forged).await),
         FenceReason::NotOwner
     );
 }
@@ -171,10 +162,7 @@ async fn renewal_stops_being_granted_before_the_attempt_deadline(pool: PgPool) {
     wf.steps[0].policy = short_policy(); // lease 1 s, attempt deadline 2 s, grace 0.6 s
     submit(&store, &wf).await;
     let c = store.claim(&owner("worker-a"), 1).await.unwrap().remove(0);
-    let v = store
-        .persist_request_identity(&c.lease, &c.request_identity)
-        .await
-        .unwrap();
+    let v = c.checkpoint_version;
     tokio::time::sleep(Duration::from_millis(700)).await;
     let renewed = store.renew(&c.lease, v).await.unwrap();
     assert!(
@@ -206,7 +194,7 @@ async fn renewal_expiry_is_capped_at_the_attempt_deadline(pool: PgPool) {
             .fetch_one(&pool)
             .await
             .unwrap();
-    let renewed = store.renew(&c.lease, 0).await.unwrap();
+    let renewed = store.renew(&c.lease, c.checkpoint_version).await.unwrap();
     assert_eq!(renewed.expires_at, deadline);
 }
 
@@ -221,10 +209,6 @@ async fn cancellation_refuses_renewal_and_new_work_but_keeps_an_outcome_in_fligh
     let claimed = store.claim(&owner("worker-a"), 2).await.unwrap();
     assert_eq!(claimed.len(), 2);
     let (before, during) = (&claimed[0], &claimed[1]);
-    store
-        .persist_request_identity(&before.lease, &before.request_identity)
-        .await
-        .unwrap();
     invoke(&store, during).await;
 
     store
@@ -375,10 +359,6 @@ async fn receipt_commits_atomically_with_its_outbox_event(pool: PgPool) {
 async fn receipt_needs_an_invocation_that_began(pool: PgPool) {
     let store = Store::from_pool(pool);
     let c = claimed_single(&store, "k1", "worker-a").await;
-    store
-        .persist_request_identity(&c.lease, &c.request_identity)
-        .await
-        .unwrap();
     let r = store.commit_receipt(&c.lease, &success(&c, "x")).await;
     assert!(
         matches!(r, Err(StoreError::Invalid { ref field, .. }) if field == "checkpoint"),
@@ -397,28 +377,46 @@ async fn checkpoints_only_move_forward(pool: PgPool) {
             durable: Checkpoint::InvocationBegan
         }
     );
-    assert_eq!(
-        fenced(
-            store
-                .persist_request_identity(&c.lease, &c.request_identity)
-                .await
-        ),
-        FenceReason::CheckpointNotForward {
-            durable: Checkpoint::InvocationBegan
-        }
-    );
 }
 
 #[sqlx::test(migrator = "MIGRATOR")]
-async fn request_identity_is_persisted_before_invocation_and_stable_across_attempts(pool: PgPool) {
+async fn claim_persists_the_steps_stable_request_identity(pool: PgPool) {
     let store = Store::from_pool(pool.clone());
     let c = claimed_single(&store, "k1", "worker-a").await;
-    let r = store.begin_invocation(&c.lease).await;
-    assert!(matches!(r, Err(StoreError::Invalid { .. })), "{r:?}");
-    store
-        .persist_request_identity(&c.lease, &c.request_identity)
-        .await
-        .unwrap();
+    // the claim's transaction created the attempt with its identity: `for_step`'s, spelled in
+    // SQL by the claim, and the same on the step, the attempt and the checkpoint event
+    assert_eq!(
+        c.request_identity,
+        z29c_core::RequestIdentity::for_step(c.workflow, &c.name)
+    );
+    let (on_step, on_attempt, checkpoint): (String, String, String) = sqlx::query_as(
+        "SELECT s.request_identity, a.request_identity, a.checkpoint::text
+         FROM steps s JOIN attempts a ON a.id = s.current_attempt_id WHERE s.id = $1",
+    )
+    .bind(c.lease.step.as_uuid())
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        (on_step.as_str(), on_attempt.as_str(), checkpoint.as_str()),
+        (
+            c.request_identity.as_str(),
+            c.request_identity.as_str(),
+            "request_identity_persisted"
+        )
+    );
+    let events: Vec<String> = sqlx::query_scalar(
+        "SELECT kind || coalesce(':' || (detail->>'checkpoint'), '') FROM step_events
+         WHERE attempt_id = $1 ORDER BY id",
+    )
+    .bind(c.lease.attempt.as_uuid())
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        events,
+        ["lease_acquired", "checkpoint:request_identity_persisted"]
+    );
     store.begin_invocation(&c.lease).await.unwrap();
     // the database refuses an attempt past identity without one
     let raw = sqlx::query("UPDATE attempts SET request_identity = NULL WHERE id = $1")
@@ -468,11 +466,13 @@ async fn request_identity_is_persisted_before_invocation_and_stable_across_attem
     assert_eq!(again.request_identity, c.request_identity);
     assert_eq!(again.attempt_number, 2);
     assert!(again.lease.version > rec.lease.version);
-    let other = z29c_core::RequestIdentity::parse("something-else").unwrap();
-    assert!(matches!(
-        store.persist_request_identity(&again.lease, &other).await,
-        Err(StoreError::Conflict(_))
-    ));
+    let identities: Vec<String> =
+        sqlx::query_scalar("SELECT request_identity FROM attempts WHERE step_id = $1")
+            .bind(c.lease.step.as_uuid())
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert_eq!(identities, [c.request_identity.as_str(); 2]);
 }
 
 #[sqlx::test(migrator = "MIGRATOR")]
@@ -491,10 +491,7 @@ async fn worker_clock_skew_does_not_matter(pool: PgPool) {
             "the worker's own view is wrong"
         );
         // the lease is valid by PostgreSQL time: the write succeeds whatever the worker thinks
-        store
-            .persist_request_identity(&c.lease, &c.request_identity)
-            .await
-            .unwrap();
+        store.renew(&c.lease, c.checkpoint_version).await.unwrap();
         // expired by PostgreSQL time: refused whatever the worker thinks
         expire(&pool, c.lease.step).await;
         assert_eq!(

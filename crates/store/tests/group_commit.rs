@@ -43,9 +43,6 @@ async fn concurrent_attempts_share_commits_and_a_stale_one_writes_nothing(pool: 
         let (store, commits) = (store.clone(), commits.clone());
         tasks.spawn(async move {
             let wrote = async {
-                commits
-                    .persist_request_identity(&c.lease, &c.request_identity)
-                    .await?;
                 commits.begin_invocation(&c.lease).await?;
                 commits
                     .commit_or_keep_late(
@@ -82,18 +79,18 @@ async fn concurrent_attempts_share_commits_and_a_stale_one_writes_nothing(pool: 
         (STEPS - 1) as i64,
         "the stale attempt wrote nothing"
     );
-    let stale_attempt: (Option<String>, Option<String>) =
-        sqlx::query_as("SELECT request_identity, checkpoint::text FROM attempts WHERE id = $1")
+    let stale_attempt: (String, Option<chrono::DateTime<chrono::Utc>>) =
+        sqlx::query_as("SELECT checkpoint::text, invocation_began_at FROM attempts WHERE id = $1")
             .bind(stale.lease.attempt.as_uuid())
             .fetch_one(&pool)
             .await
             .unwrap();
     assert_eq!(
         stale_attempt,
-        (None, Some("attempt_created".into())),
-        "its savepoint was rolled back: no identity, no checkpoint past the claim"
+        ("request_identity_persisted".into(), None),
+        "its savepoint was rolled back: no checkpoint past the claim"
     );
-    // three writes per attempt, far fewer transactions
+    // two writes per attempt, far fewer transactions
     let commits_after: i64 = sqlx::query_scalar(
         "SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()",
     )
@@ -101,10 +98,10 @@ async fn concurrent_attempts_share_commits_and_a_stale_one_writes_nothing(pool: 
     .await
     .unwrap();
     assert!(
-        commits_after - commits_before < (3 * STEPS) as i64,
+        commits_after - commits_before < (2 * STEPS) as i64,
         "{} commits for {} writes",
         commits_after - commits_before,
-        3 * STEPS
+        2 * STEPS
     );
     // the step recovery holds is the only one left unfinished
     let unfinished: i64 =
@@ -130,9 +127,6 @@ async fn a_fan_out_completes_its_workflow_through_group_commit(pool: PgPool) {
     for c in claimed {
         let (store, commits) = (store.clone(), commits.clone());
         tasks.spawn(async move {
-            commits
-                .persist_request_identity(&c.lease, &c.request_identity)
-                .await?;
             commits.begin_invocation(&c.lease).await?;
             commits
                 .commit_or_keep_late(&store, c.workflow.as_uuid(), &c.lease, &success(&c, "d"))

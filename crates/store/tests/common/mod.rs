@@ -52,12 +52,9 @@ pub async fn claimed_single(store: &Store, key: &str, who: &str) -> ClaimedStep 
     claimed.pop().unwrap()
 }
 
-/// Persists the identity and begins the invocation, as an executor does before calling out.
+/// Begins the invocation, as it is committed before anyone calls out (the claim persisted the
+/// request identity already).
 pub async fn invoke(store: &Store, c: &ClaimedStep) {
-    store
-        .persist_request_identity(&c.lease, &c.request_identity)
-        .await
-        .unwrap();
     store.begin_invocation(&c.lease).await.unwrap();
 }
 
