@@ -425,7 +425,12 @@ pub async fn run_cell(cell: Cell, switches: Switches) -> CellResult {
             nats = Some(PrivateNats::start().await?);
         }
         let cluster = Cluster::start_with(Topology {
-            gateways: usize::from(cell.fault != Fault::GatewayCrash),
+            // these cells add their own gateway, armed with a fault
+            gateways: usize::from(!match cell.fault {
+                Fault::GatewayCrash => true,
+                Fault::Crash(k) => k.point().in_gateway(),
+                _ => false,
+            }),
             executors: 0,
             recoveries: usize::from(!matches!(
                 cell.fault,
@@ -545,21 +550,24 @@ async fn drive(
         Fault::Crash(k) => {
             let point = k.point();
             let s = point.to_string();
-            run.executor(&[
-                ("Z29C_FAULT_CRASH", s.as_str()),
-                ("Z29C_WORKERS", "1"),
-                ("Z29C_CLAIM_BATCH", "1"),
-            ])
-            .await?;
+            let crash = ("Z29C_FAULT_CRASH", s.as_str());
+            let one_worker = [("Z29C_WORKERS", "1"), ("Z29C_CLAIM_BATCH", "1")];
+            // the process that reaches the point is the one armed (and killed)
+            let armed = if point.in_gateway() {
+                run.cluster.add_gateway_with(8, &[crash]).await?;
+                run.executor(&one_worker).await?;
+                "gateway-1"
+            } else {
+                run.executor(&[crash, one_worker[0], one_worker[1]]).await?;
+                "executor-1"
+            };
             if opaque_target && may_have_invoked(point) {
                 run.allowance += 2;
             }
             run.submit("target", &target, "target", 2, policy(), None)
                 .await?;
-            run.wait_exit("executor-1", Duration::from_secs(30)).await?;
-            run.cluster
-                .restart("executor-1", &["Z29C_FAULT_CRASH"])
-                .await?;
+            run.wait_exit(armed, Duration::from_secs(30)).await?;
+            run.cluster.restart(armed, &["Z29C_FAULT_CRASH"]).await?;
             run.healthy(cap, 2).await?;
             run.cluster.wait_all_ended(&run.ids, long).await?;
         }

@@ -8,6 +8,7 @@ use anyhow::{Result, bail};
 use sqlx::PgPool;
 use z29c_proto::v1::{self as pb};
 use z29c_scenarios::cluster::{Cluster, Topology, chain};
+use z29c_store::faults::CrashPoint;
 
 fn short(key: &str) -> pb::SubmitRequest {
     let mut req = chain(key, "table", 1);
@@ -37,22 +38,33 @@ async fn first_decision(pool: &PgPool) -> Result<(String, String)> {
     bail!("recovery decided nothing")
 }
 
-/// An executor that aborts after `checkpoint`; then a healthy one joins.
+/// The process that reaches the point right after `checkpoint` aborts there (the gateway for
+/// *invocation began*, which it commits with the call's permit; the executor otherwise);
+/// then a healthy one takes over.
 async fn crash_after(
     checkpoint: &str,
     capability: &'static str,
 ) -> Result<(Cluster, PgPool, String, (String, String))> {
+    let point: CrashPoint = format!("after_{checkpoint}")
+        .parse()
+        .map_err(anyhow::Error::msg)?;
     let mut cluster = Cluster::start_with(Topology {
         executors: 0,
+        gateways: usize::from(!point.in_gateway()),
         recoveries: 1,
         capability,
         ..Topology::default()
     })
     .await?;
     let pool = cluster.db.pool(2).await?;
-    cluster
-        .add_executor_with(&[("Z29C_FAULT_CRASH", &format!("after_{checkpoint}"))])
-        .await?;
+    let crash = [("Z29C_FAULT_CRASH", point.to_string())];
+    let crash: Vec<(&str, &str)> = crash.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    if point.in_gateway() {
+        cluster.add_gateway_with(16, &crash).await?;
+        cluster.add_executor().await?;
+    } else {
+        cluster.add_executor_with(&crash).await?;
+    }
     let wf = cluster
         .client()
         .await?
@@ -61,8 +73,18 @@ async fn crash_after(
         .into_inner()
         .workflow
         .unwrap();
+    if point.in_gateway() {
+        // back at once, as a supervisor would restart it: recovery asks the gateway what the
+        // adapter promises, and waits a few seconds for one that is restarting
+        cluster
+            .wait_exited("gateway-1", Duration::from_secs(20))
+            .await?;
+        cluster.restart("gateway-1", &["Z29C_FAULT_CRASH"]).await?;
+    }
     let decision = first_decision(&pool).await?;
-    cluster.add_executor().await?;
+    if !point.in_gateway() {
+        cluster.add_executor().await?;
+    }
     cluster
         .wait_all_ended(std::slice::from_ref(&wf.id), Duration::from_secs(60))
         .await?;

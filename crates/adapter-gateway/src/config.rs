@@ -52,6 +52,11 @@ pub struct GatewayConfig {
     /// that it committed, before replying to the executor.
     #[cfg(feature = "faults")]
     pub fault_crash_after_destination: bool,
+    /// Fault injection (only with the `faults` feature): abort at a crash point the gateway
+    /// owns, `before_invocation_began` or `after_invocation_began` (it commits that
+    /// checkpoint with the call's permit).
+    #[cfg(feature = "faults")]
+    pub fault_crash: Option<z29c_store::faults::CrashPoint>,
 }
 
 impl Default for GatewayConfig {
@@ -80,6 +85,8 @@ impl Default for GatewayConfig {
             max_request_bytes: 1024 * 1024,
             #[cfg(feature = "faults")]
             fault_crash_after_destination: false,
+            #[cfg(feature = "faults")]
+            fault_crash: None,
         }
     }
 }

@@ -43,6 +43,11 @@ pub async fn run(
         z29c_telemetry::serve_prometheus(addr).context("serve /metrics")?;
         z29c_telemetry::zero_counters(&[z29c_telemetry::ATTEMPT_INVOCATIONS]);
     }
+    #[cfg(feature = "faults")]
+    if let Some(point) = config.fault_crash {
+        tracing::warn!(%point, "fault: crash point armed");
+        z29c_store::faults::arm(point);
+    }
     let store = Store::connect(&config.database_url, config.max_connections)
         .await
         .context("connect to PostgreSQL")?;

@@ -6,7 +6,7 @@ use std::time::Duration;
 use tokio::sync::Semaphore;
 use tonic::{Request, Response, Status};
 use tracing::Instrument;
-use z29c_core::RequestIdentity;
+use z29c_core::{Checkpoint, FenceReason, LeaseClaim, RequestIdentity};
 use z29c_proto::v1::adapter_gateway_server::AdapterGateway;
 use z29c_proto::v1::{
     self as pb, DescribeRequest, DescribeResponse, InvokeRequest, InvokeResponse, QueryRequest,
@@ -14,6 +14,7 @@ use z29c_proto::v1::{
 };
 use z29c_runtime::status_from_store;
 use z29c_store::batch::GroupCommit;
+use z29c_store::faults::{CrashPoint, crash_if_armed};
 use z29c_store::permits::{Permit, PermitRequest};
 use z29c_store::{Store, StoreError};
 
@@ -128,6 +129,7 @@ impl Gateway {
             identity,
             input,
             attempt,
+            lease,
             ..
         } = z29c_proto::validate::invoke(&req)?;
         // a full instance turns the call away before it takes a permit another could use
@@ -142,9 +144,18 @@ impl Gateway {
             gateway: &self.config.id,
             hold: Duration::from_millis(adapter.permit_hold_ms),
         };
-        let Some(permit) = self.take_permit(adapter, &permit_req).await? else {
-            return Ok(turned_away(adapter, "no_permit"));
+        let permit = match self
+            .take_permit(adapter, lease.as_ref(), &permit_req)
+            .await?
+        {
+            Taken::Permit(p) => p,
+            Taken::Exhausted => return Ok(turned_away(adapter, "no_permit")),
+            Taken::NotBegun(reason) => return Ok(not_begun(adapter, reason)),
         };
+        if lease.is_some() {
+            // *invocation began* is durable, nothing is sent yet
+            crash_if_armed(CrashPoint::after(Checkpoint::InvocationBegan));
+        }
 
         let left = deadline.saturating_duration_since(tokio::time::Instant::now());
         let outcome = if left < MIN_CALL {
@@ -234,21 +245,35 @@ impl Gateway {
         }))
     }
 
-    /// A permit for this call, or `None` when the limit is reached. An operation class without
-    /// a configured limit gets the adapter's default on first use.
+    /// A permit for this call; under a lease, with *invocation began* committed in the same
+    /// transaction. An operation class without a configured limit gets the adapter's default
+    /// on first use.
     async fn take_permit(
         &self,
         adapter: &AdapterConfig,
+        lease: Option<&LeaseClaim>,
         req: &PermitRequest<'_>,
-    ) -> Result<Option<Permit>, Status> {
+    ) -> Result<Taken, Status> {
         for _ in 0..2 {
-            let taken = match &self.commits {
-                Some(g) => g.acquire_permit(req).await,
-                None => self.store.acquire_permit(req).await,
+            let taken = match (&self.commits, lease) {
+                (Some(g), Some(l)) => g.begin_invocation_with_permit(l, req).await.map(|t| t.0),
+                (None, Some(l)) => self
+                    .store
+                    .begin_invocation_with_permit(l, req)
+                    .await
+                    .map(|t| t.0),
+                (Some(g), None) => g.acquire_permit(req).await,
+                (None, None) => self.store.acquire_permit(req).await,
             };
             match taken {
-                Ok(p) => return Ok(Some(p)),
-                Err(StoreError::PermitsExhausted { .. }) => return Ok(None),
+                Ok(p) => return Ok(Taken::Permit(p)),
+                Err(StoreError::PermitsExhausted { .. }) => return Ok(Taken::Exhausted),
+                Err(StoreError::Fenced(reason)) => return Ok(Taken::NotBegun(reason)),
+                Err(StoreError::NotFound { what: "step" }) => {
+                    return Err(Status::not_found(
+                        "the lease names a step that does not exist",
+                    ));
+                }
                 Err(StoreError::NotFound { .. }) => {
                     self.store
                         .set_permit_limit(
@@ -264,6 +289,32 @@ impl Gateway {
         }
         Err(Status::internal("adapter limit could not be set"))
     }
+}
+
+/// What [`Gateway::take_permit`] got.
+enum Taken {
+    Permit(Permit),
+    /// The class is at its limit: nothing began.
+    Exhausted,
+    /// The lease's fence refused *invocation began*: nothing began, nothing may be sent.
+    NotBegun(FenceReason),
+}
+
+/// The answer to a call whose *invocation began* was refused by the lease's fence.
+fn not_begun(adapter: &AdapterConfig, reason: FenceReason) -> Response<InvokeResponse> {
+    z29c_telemetry::metrics::counter!(
+        z29c_telemetry::ATTEMPT_INVOCATIONS,
+        "adapter" => adapter.name.clone(),
+        "result" => "not_begun"
+    )
+    .increment(1);
+    Response::new(InvokeResponse {
+        outcome: Some(invoke_response::Outcome::NotBegun(pb::NotBegun {
+            workflow_ended: matches!(reason, FenceReason::WorkflowForbids { .. }),
+            reason: reason.to_string(),
+        })),
+        adapter_version: adapter.version.clone(),
+    })
 }
 
 #[tonic::async_trait]

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
-use z29c_core::{Checkpoint, Deadlines, ExternalReference, Outcome};
+use z29c_core::{Checkpoint, Deadlines, ExternalReference, FenceReason, Outcome};
 use z29c_proto::v1::{InvokeRequest, invoke_response};
 use z29c_store::batch::GroupCommit;
 use z29c_store::faults::{CrashPoint, crash_if_armed};
@@ -75,21 +75,10 @@ async fn attempt(ctx: &Context, step: &ClaimedStep) -> Result<(), StoreError> {
         tracing::warn!("no time left for a call under this lease; giving the step back");
         return store.release_unbegun(lease).await;
     };
-    let began = match &ctx.commits {
-        Some(g) => g.begin_invocation(lease).await,
-        None => store.begin_invocation(lease).await,
-    };
-    let version = match began {
-        Ok(v) => {
-            crash_if_armed(CrashPoint::after(Checkpoint::InvocationBegan));
-            v
-        }
-        Err(StoreError::Fenced(z29c_core::FenceReason::WorkflowForbids { .. })) => {
-            // cancelled before anything was sent: stop here
-            return store.release_unbegun(lease).await;
-        }
-        Err(e) => return Err(e),
-    };
+    // The gateway commits *invocation began* under this lease, with its permit, right before
+    // it sends (DESIGN.md §5 step 3): from then on the attempt's checkpoint version is one
+    // past the claim's.
+    let version = step.checkpoint_version + 1;
 
     // renewal beside the call; it stops refreshing when fenced, and the commit below is fenced
     // anyway, so a lost lease turns the answer into late evidence
@@ -98,10 +87,17 @@ async fn attempt(ctx: &Context, step: &ClaimedStep) -> Result<(), StoreError> {
         tokio::spawn(async move {
             loop {
                 tokio::time::sleep(every).await;
-                if let Err(e) = store.renew(&lease, version).await {
-                    counter!(z29c_telemetry::LEASE_RENEWAL_FAILURES).increment(1);
-                    tracing::info!(step = %lease.step, error = %e, "renewal refused; finishing the call, then stopping");
-                    return;
+                match store.renew(&lease, version).await {
+                    Ok(_) => {}
+                    // the gateway has not committed *invocation began* yet: the lease itself
+                    // is current, so ask again at the next tick
+                    Err(StoreError::Fenced(FenceReason::StaleCheckpoint { durable, .. }))
+                        if durable < version => {}
+                    Err(e) => {
+                        counter!(z29c_telemetry::LEASE_RENEWAL_FAILURES).increment(1);
+                        tracing::info!(step = %lease.step, error = %e, "renewal refused; finishing the call, then stopping");
+                        return;
+                    }
                 }
             }
         })
@@ -117,6 +113,7 @@ async fn attempt(ctx: &Context, step: &ClaimedStep) -> Result<(), StoreError> {
         step_id: lease.step.to_string(),
         attempt_id: lease.attempt.to_string(),
         lease_version: lease.version.get(),
+        lease_owner: lease.owner.to_string(),
     });
     request.set_timeout(budget);
     let mut client = gateway.client;
@@ -175,6 +172,15 @@ async fn attempt(ctx: &Context, step: &ClaimedStep) -> Result<(), StoreError> {
             store
                 .release_rate_limited(lease, Duration::from_millis(r.retry_after_ms))
                 .await?;
+        }
+        Some(invoke_response::Outcome::NotBegun(n)) => {
+            // the gateway's fence refused *invocation began*: nothing was sent
+            if n.workflow_ended {
+                // cancelled before anything was sent: stop here
+                return store.release_unbegun(lease).await;
+            }
+            counter!(z29c_telemetry::ATTEMPT_FENCING_REJECTIONS).increment(1);
+            tracing::info!(step = %lease.step, reason = %n.reason, "invocation not begun: lease no longer current");
         }
         Some(invoke_response::Outcome::Unknown(u)) => {
             counter!(z29c_telemetry::STEP_UNKNOWN_OUTCOMES).increment(1);

@@ -2,7 +2,7 @@
 //! services map a [`FieldError`] to `INVALID_ARGUMENT` naming the field; the fuzz targets call
 //! the same functions.
 
-use z29c_core::{AttemptId, RequestIdentity};
+use z29c_core::{AttemptId, LeaseClaim, LeaseKind, LeaseVersion, OwnerId, RequestIdentity, StepId};
 
 use crate::v1::InvokeRequest;
 
@@ -54,6 +54,9 @@ pub struct ValidInvoke {
     pub identity: RequestIdentity,
     pub input: serde_json::Value,
     pub attempt: Option<AttemptId>,
+    /// The attempt's lease, when the call names an attempt: under it the gateway commits
+    /// *invocation began*.
+    pub lease: Option<LeaseClaim>,
 }
 
 /// Checks an `Invoke` request: its operation, request identity, input (JSON) and attempt id.
@@ -72,11 +75,31 @@ pub fn invoke(req: &InvokeRequest) -> Result<ValidInvoke, FieldError> {
                 .map_err(|e| FieldError::new("attempt_id", e.reason))?,
         )
     };
+    let lease = match attempt {
+        None => None,
+        Some(attempt) => Some(LeaseClaim {
+            step: req
+                .step_id
+                .parse::<StepId>()
+                .map_err(|e| FieldError::new("step_id", e.reason))?,
+            attempt,
+            owner: OwnerId::parse(req.lease_owner.clone())
+                .map_err(|e| FieldError::new("lease_owner", e.reason))?,
+            version: LeaseVersion::new(req.lease_version)
+                .ok()
+                .filter(|v| *v != LeaseVersion::NEVER_LEASED)
+                .ok_or_else(|| {
+                    FieldError::new("lease_version", "must be a leased version (> 0)")
+                })?,
+            kind: LeaseKind::Execution,
+        }),
+    };
     Ok(ValidInvoke {
         operation: req.operation.clone(),
         identity,
         input,
         attempt,
+        lease,
     })
 }
 
@@ -100,6 +123,31 @@ mod tests {
         assert_eq!(v.operation, "ship");
         assert_eq!(v.input["n"], 1);
         assert_eq!(v.attempt, None);
+        assert_eq!(v.lease, None);
+    }
+
+    #[test]
+    fn a_call_under_a_lease_names_the_whole_lease() {
+        let mut r = req();
+        r.attempt_id = AttemptId::new().to_string();
+        r.step_id = StepId::new().to_string();
+        r.lease_owner = "executor-1".into();
+        r.lease_version = 3;
+        let lease = invoke(&r).unwrap().lease.unwrap();
+        assert_eq!(lease.version.get(), 3);
+        assert_eq!(lease.owner.as_str(), "executor-1");
+        assert_eq!(lease.kind, LeaseKind::Execution);
+        let spoils: [(&str, fn(&mut InvokeRequest)); 4] = [
+            ("step_id", |r| r.step_id = String::new()),
+            ("lease_owner", |r| r.lease_owner = String::new()),
+            ("lease_version", |r| r.lease_version = 0),
+            ("lease_version", |r| r.lease_version = -1),
+        ];
+        for (field, spoil) in spoils {
+            let mut bad = r.clone();
+            spoil(&mut bad);
+            assert_eq!(invoke(&bad).unwrap_err().field, field);
+        }
     }
 
     #[test]

@@ -12,13 +12,14 @@
 //! (the last receipts of a fan-out) then serialise per batch instead of per step.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use futures::future::BoxFuture;
 use sqlx::{Connection, PgConnection};
 use tokio::sync::{Mutex, mpsc, oneshot};
 
 use uuid::Uuid;
-use z29c_core::LeaseClaim;
+use z29c_core::{AttemptId, LeaseClaim, RequestIdentity};
 
 use crate::leases::{self, CommitOutcome, Observed};
 use crate::permits::{self, Permit, PermitRequest};
@@ -171,23 +172,23 @@ impl GroupCommit {
     /// [`Store::acquire_permit`], group-committed: a batch locks the limit once, and each
     /// permit in it counts those taken before it in the same transaction.
     pub async fn acquire_permit(&self, req: &PermitRequest<'_>) -> Result<Permit> {
-        let (adapter, class, gateway) = (
-            req.adapter.to_owned(),
-            req.operation_class.to_owned(),
-            req.gateway.to_owned(),
-        );
-        let (attempt, identity, hold) = (req.attempt, req.request_identity.clone(), req.hold);
+        let req = OwnedPermitRequest::from(req);
+        self.run(Uuid::nil(), move |conn| {
+            Box::pin(async move { permits::acquire_permit_in(conn, &req.borrow()).await })
+        })
+        .await
+    }
+
+    /// [`Store::begin_invocation_with_permit`], group-committed.
+    pub async fn begin_invocation_with_permit(
+        &self,
+        claim: &LeaseClaim,
+        req: &PermitRequest<'_>,
+    ) -> Result<(Permit, i64)> {
+        let (claim, req) = (claim.clone(), OwnedPermitRequest::from(req));
         self.run(Uuid::nil(), move |conn| {
             Box::pin(async move {
-                let req = PermitRequest {
-                    adapter: &adapter,
-                    operation_class: &class,
-                    attempt,
-                    request_identity: &identity,
-                    gateway: &gateway,
-                    hold,
-                };
-                permits::acquire_permit_in(conn, &req).await
+                permits::begin_invocation_with_permit_in(conn, &claim, &req.borrow()).await
             })
         })
         .await
@@ -200,5 +201,39 @@ impl GroupCommit {
             Box::pin(async move { permits::release_permit_in(conn, id, &reason).await })
         })
         .await
+    }
+}
+
+/// A [`PermitRequest`] that can move into a write.
+struct OwnedPermitRequest {
+    adapter: String,
+    operation_class: String,
+    attempt: Option<AttemptId>,
+    request_identity: RequestIdentity,
+    gateway: String,
+    hold: Duration,
+}
+
+impl OwnedPermitRequest {
+    fn from(req: &PermitRequest<'_>) -> Self {
+        Self {
+            adapter: req.adapter.to_owned(),
+            operation_class: req.operation_class.to_owned(),
+            attempt: req.attempt,
+            request_identity: req.request_identity.clone(),
+            gateway: req.gateway.to_owned(),
+            hold: req.hold,
+        }
+    }
+
+    fn borrow(&self) -> PermitRequest<'_> {
+        PermitRequest {
+            adapter: &self.adapter,
+            operation_class: &self.operation_class,
+            attempt: self.attempt,
+            request_identity: &self.request_identity,
+            gateway: &self.gateway,
+            hold: self.hold,
+        }
     }
 }

@@ -3,8 +3,9 @@
 //! `-p z29c-cli` alone, so the feature is not unified on.
 //!
 //! A [`CrashPoint`] names one side of one durable boundary of the attempt protocol. The store
-//! owns the points *inside* its transactions (right before `COMMIT`); the executor owns the
-//! points after a commit returned. [`break_receipt_fencing`] is the deliberately broken build
+//! owns the points *inside* its transactions (right before `COMMIT`); the process that made
+//! the commit owns the points after it returned: the adapter gateway for *invocation began*
+//! ([`CrashPoint::in_gateway`]), the executor for the others. [`break_receipt_fencing`] is the deliberately broken build
 //! the checker must catch: it lets a receipt commit under a lease that is no longer current.
 
 use std::fmt;
@@ -58,6 +59,12 @@ impl CrashPoint {
             side: Side::After,
             checkpoint,
         }
+    }
+
+    /// Whether the adapter gateway reaches this point, not the executor: the gateway commits
+    /// *invocation began* in the transaction that takes the call's permit.
+    pub fn in_gateway(self) -> bool {
+        self.checkpoint == Checkpoint::InvocationBegan
     }
 }
 

@@ -8,7 +8,7 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use serde::Serialize;
 use uuid::Uuid;
-use z29c_core::{AttemptId, RequestIdentity};
+use z29c_core::{AttemptId, LeaseClaim, RequestIdentity};
 
 use crate::{Result, Store, StoreError, millis};
 
@@ -144,6 +144,24 @@ impl Store {
         acquire_permit_in(&mut conn, req).await
     }
 
+    /// Commits the attempt's checkpoint *invocation began* (fenced by `claim`, exactly as
+    /// [`Store::begin_invocation`]) and takes the call's permit, in one transaction, right
+    /// before the gateway sends the request (DESIGN.md §5 step 3 and §7): both name the same
+    /// moment, so one `COMMIT` serves both. Either both are durable or neither is: a class at
+    /// its limit ([`StoreError::PermitsExhausted`]) leaves the invocation not begun, and a
+    /// refused fence ([`StoreError::Fenced`]) takes no permit. Returns the permit and the
+    /// attempt's new checkpoint version.
+    pub async fn begin_invocation_with_permit(
+        &self,
+        claim: &LeaseClaim,
+        req: &PermitRequest<'_>,
+    ) -> Result<(Permit, i64)> {
+        let mut tx = self.begin().await?;
+        let out = begin_invocation_with_permit_in(&mut tx, claim, req).await?;
+        tx.commit().await?;
+        Ok(out)
+    }
+
     /// Releases a permit on a known outcome (or after resolution). Releasing twice is a no-op.
     /// Its COMMIT does not wait for the disk ([`Store::begin_relaxed`]): a release lost in a
     /// server crash leaves the permit counting until its hold runs out, which errs on the safe
@@ -212,6 +230,19 @@ impl Store {
         .fetch_all(&self.pool)
         .await?)
     }
+}
+
+/// The statements of [`Store::begin_invocation_with_permit`], on the caller's transaction
+/// (alone, or a shared one: [`crate::batch::GroupCommit`]). The fence comes first: it locks
+/// the step row, so a permit is only ever taken under a current lease.
+pub(crate) async fn begin_invocation_with_permit_in(
+    conn: &mut sqlx::PgConnection,
+    claim: &LeaseClaim,
+    req: &PermitRequest<'_>,
+) -> Result<(Permit, i64)> {
+    let version = crate::leases::begin_invocation_in(&mut *conn, claim).await?;
+    let permit = acquire_permit_in(&mut *conn, req).await?;
+    Ok((permit, version))
 }
 
 /// The statement of [`Store::acquire_permit`], on the caller's connection or transaction
