@@ -162,10 +162,6 @@ async fn main() -> Result<()> {
     Ok(())
 }
 
-fn system_name(grouped: bool) -> &'static str {
-    if grouped { "z29c-grouped" } else { "z29c" }
-}
-
 #[derive(clap::Args)]
 struct BenchArgs {
     /// Steps (jobs) pre-loaded before each drain.
@@ -177,7 +173,8 @@ struct BenchArgs {
     #[arg(long, default_value_t = 3)]
     rounds: usize,
     /// Systems to run besides pgbench, comma-separated: z29c, z29c-grouped (group commit
-    /// on), graphile-worker, pg-boss.
+    /// on), z29c-eager (every write its own commit, permit releases included),
+    /// graphile-worker, pg-boss.
     #[arg(long, value_delimiter = ',', default_values_t = ["z29c".to_owned(), "z29c-grouped".to_owned(), "graphile-worker".to_owned(), "pg-boss".to_owned()])]
     systems: Vec<String>,
     /// Parts to run, comma-separated: drain, latency, reclaim, growth, steady.
@@ -249,11 +246,11 @@ async fn bench_on(a: BenchArgs) -> Result<()> {
     let mut peers_wanted = Vec::new();
     for s in &a.systems {
         match s.as_str() {
-            "z29c" | "z29c-grouped" => {}
+            s if bench::Mode::parse(s).is_some() => {}
             "graphile-worker" => peers_wanted.push(Peer::GraphileWorker),
             "pg-boss" => peers_wanted.push(Peer::PgBoss),
             other => bail!(
-                "--systems: unknown system {other:?} (z29c, z29c-grouped, graphile-worker, pg-boss)"
+                "--systems: unknown system {other:?} (z29c, z29c-grouped, z29c-eager, graphile-worker, pg-boss)"
             ),
         }
     }
@@ -312,11 +309,11 @@ async fn bench_on(a: BenchArgs) -> Result<()> {
                     f.tps
                 ));
                 report.floors.push(f);
-                for grouped in [false, true] {
-                    if !a.systems.iter().any(|s| s == system_name(grouped)) {
+                for mode in bench::Mode::ALL {
+                    if !a.systems.iter().any(|s| s == mode.name()) {
                         continue;
                     }
-                    let d = bench::z29c_drain(round, a.steps, c, a.cap, grouped).await?;
+                    let d = bench::z29c_drain(round, a.steps, c, a.cap, mode).await?;
                     line(&d);
                     report.drains.push(d);
                 }
@@ -342,12 +339,12 @@ async fn bench_on(a: BenchArgs) -> Result<()> {
                     continue;
                 };
                 let rate = (drain.steps_per_second * load).max(1.0);
-                let l = match system.as_str() {
-                    "z29c" | "z29c-grouped" => {
-                        let grouped = system == "z29c-grouped";
-                        bench::z29c_latency(grouped, c, load, rate, a.latency_seconds).await?
+                let l = match bench::Mode::parse(system) {
+                    Some(mode) => {
+                        bench::z29c_latency(mode, c, load, rate, a.latency_seconds).await?
                     }
-                    other => {
+                    None => {
+                        let other = system.as_str();
                         let p = if other == "pg-boss" {
                             Peer::PgBoss
                         } else {

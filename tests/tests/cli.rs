@@ -96,14 +96,16 @@ async fn submit_watch_and_status_speak_json_and_exit_codes() -> Result<()> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_workflow_waiting_for_a_person_exits_3() -> Result<()> {
     let mut cluster = Cluster::start_with(Topology {
-        executors: 0,
+        gateways: 0,
         recoveries: 1,
         capability: "opaque",
         ..Topology::default()
     })
     .await?;
+    // the gateway dies right after it committed *invocation began*: nobody knows whether the
+    // request left, and an opaque adapter cannot be asked
     cluster
-        .add_executor_with(&[("Z29C_FAULT_CRASH", "after_invocation_began")])
+        .add_gateway_with(16, &[("Z29C_FAULT_CRASH", "after_invocation_began")])
         .await?;
     let dir = tempdir()?;
     let server = cluster.scheduler_url.clone();
@@ -121,6 +123,10 @@ async fn a_workflow_waiting_for_a_person_exits_3() -> Result<()> {
     assert_eq!(out.status.code(), Some(0), "accepted: {out:?}");
     let doc: Value = serde_json::from_slice(&out.stdout)?;
     let id = doc["id"].as_str().expect("id").to_owned();
+    cluster
+        .wait_exited("gateway-1", Duration::from_secs(20))
+        .await?;
+    cluster.restart("gateway-1", &["Z29C_FAULT_CRASH"]).await?;
     let start = Instant::now();
     loop {
         let out = z29c(&["status", &id, "--output", "json"], &server).await?;

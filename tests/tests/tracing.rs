@@ -37,7 +37,7 @@ fn linked(spans: &[CollectedSpan], child: (&str, &str), parent: (&str, &str)) ->
 async fn one_workflow_is_one_trace_across_all_services() -> Result<()> {
     let (collector, endpoint) = Collector::start().await?;
     let mut cluster = Cluster::start_with(Topology {
-        executors: 0,
+        gateways: 0,
         recoveries: 1,
         capability: "queryable",
         env: vec![
@@ -48,13 +48,10 @@ async fn one_workflow_is_one_trace_across_all_services() -> Result<()> {
         ..Topology::default()
     })
     .await?;
-    // the first step's worker dies after invocation began: recovery asks the gateway; the
-    // second step runs normally on the restarted executor
+    // the gateway dies right after the first step's invocation began: recovery asks the
+    // restarted gateway; the second step runs normally through it
     cluster
-        .add_executor_with(&[
-            ("Z29C_FAULT_CRASH", "after_invocation_began"),
-            ("Z29C_WORKERS", "1"),
-        ])
+        .add_gateway_with(16, &[("Z29C_FAULT_CRASH", "after_invocation_began")])
         .await?;
     let mut req = chain("traced", "traced", 2);
     for s in &mut req.steps {
@@ -77,9 +74,9 @@ async fn one_workflow_is_one_trace_across_all_services() -> Result<()> {
         .workflow
         .expect("workflow");
     cluster
-        .wait_exited("executor-1", Duration::from_secs(20))
+        .wait_exited("gateway-1", Duration::from_secs(20))
         .await?;
-    cluster.restart("executor-1", &["Z29C_FAULT_CRASH"]).await?;
+    cluster.restart("gateway-1", &["Z29C_FAULT_CRASH"]).await?;
     cluster
         .wait_all_ended(std::slice::from_ref(&wf.id), Duration::from_secs(60))
         .await?;

@@ -42,6 +42,10 @@ pub struct GatewayConfig {
     pub committers: usize,
     /// Most permit writes in one group.
     pub max_group: usize,
+    /// How long the permit of an ended call may wait to be released by this gateway's next
+    /// permit transaction before it is released on its own (0: at once, a `COMMIT` each).
+    /// Waiting only ever holds capacity a little longer, never less.
+    pub release_linger_ms: u64,
     /// Mutual TLS: executors and recovery must present a certificate from `tls.ca_file`.
     pub tls: z29c_security::TlsConfig,
     /// Deadline cap and per-connection limits of the gRPC server.
@@ -77,6 +81,7 @@ impl Default for GatewayConfig {
             group_commit: false,
             committers: 1,
             max_group: 64,
+            release_linger_ms: 5,
             tls: Default::default(),
             grpc: z29c_runtime::ServerLimits {
                 max_deadline_ms: 60_000,

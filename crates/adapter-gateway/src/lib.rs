@@ -127,6 +127,7 @@ pub async fn run(
         shutdown.clone(),
     );
     let service = service::Gateway::new(config.clone(), store);
+    let releases = tokio::spawn(service.clone().release_ended(shutdown.clone()));
     tracing::info!(%addr, id = %config.id, adapters = config.adapters.len(), "gateway listening");
     if let Some(ready) = ready {
         let _ = ready.send(Started { addr });
@@ -140,6 +141,10 @@ pub async fn run(
         .serve_with_incoming_shutdown(incoming, shutdown.cancelled())
         .await?;
     registration.abort();
+    // the permits of calls that ended are released before the process goes
+    if let Err(e) = releases.await {
+        tracing::warn!(error = %e, "the permit release task failed");
+    }
     let _ = bus.deregister_gateway(&config.id).await;
     Ok(())
 }

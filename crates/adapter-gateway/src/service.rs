@@ -3,7 +3,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::Semaphore;
+use tokio::sync::{Notify, Semaphore};
+use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 use tracing::Instrument;
 use z29c_core::{Checkpoint, FenceReason, LeaseClaim, RequestIdentity};
@@ -15,7 +16,7 @@ use z29c_proto::v1::{
 use z29c_runtime::status_from_store;
 use z29c_store::batch::GroupCommit;
 use z29c_store::faults::{CrashPoint, crash_if_armed};
-use z29c_store::permits::{Permit, PermitRequest};
+use z29c_store::permits::{EndedPermit, Permit, PermitRequest};
 use z29c_store::{Store, StoreError};
 
 use crate::config::{AdapterConfig, GatewayConfig};
@@ -39,6 +40,10 @@ pub struct Gateway {
     /// permit limit bounds all instances together; this bounds one, so another instance adds
     /// usable capacity up to that limit.
     calls: Arc<Semaphore>,
+    /// Permits of calls that have ended, not yet released: the next permit transaction
+    /// releases them, or [`Gateway::release_ended`] does after `release_linger_ms`.
+    ended: Arc<std::sync::Mutex<Vec<EndedPermit>>>,
+    ended_added: Arc<Notify>,
 }
 
 impl Gateway {
@@ -53,6 +58,53 @@ impl Gateway {
             commits,
             client: reqwest::Client::new(),
             calls,
+            ended: Arc::default(),
+            ended_added: Arc::default(),
+        }
+    }
+
+    fn take_ended(&self) -> Vec<EndedPermit> {
+        std::mem::take(&mut *self.ended.lock().expect("ended permits lock"))
+    }
+
+    fn keep_ended(&self, ended: Vec<EndedPermit>) {
+        if ended.is_empty() {
+            return;
+        }
+        self.ended.lock().expect("ended permits lock").extend(ended);
+        self.ended_added.notify_one();
+    }
+
+    /// Releases the permits of ended calls that no permit transaction took along within
+    /// `release_linger_ms`, until `shutdown`, then the last ones.
+    pub async fn release_ended(self, shutdown: CancellationToken) {
+        let linger = Duration::from_millis(self.config.release_linger_ms);
+        loop {
+            let stopping = tokio::select! {
+                _ = self.ended_added.notified() => false,
+                _ = shutdown.cancelled() => true,
+            };
+            if !stopping {
+                tokio::time::sleep(linger).await;
+            }
+            let ended = self.take_ended();
+            if !ended.is_empty() {
+                let released = match &self.commits {
+                    Some(g) => g.release_permits(&ended).await,
+                    None => self.store.release_permits(&ended).await,
+                };
+                if let Err(e) = released {
+                    // their holds run out by themselves; until then they count, which is safe
+                    tracing::warn!(error = %e, permits = ended.len(), "permit release failed; retrying");
+                    if !stopping {
+                        self.keep_ended(ended);
+                        tokio::time::sleep(PERMIT_RETRY).await;
+                    }
+                }
+            }
+            if stopping {
+                return;
+            }
         }
     }
 
@@ -225,6 +277,10 @@ impl Gateway {
         )
         .increment(1);
         let permit_result = match release {
+            Some(reason) if self.config.release_linger_ms > 0 => {
+                self.keep_ended(vec![EndedPermit::now(permit.id, reason)]);
+                Ok(())
+            }
             Some(reason) => match &self.commits {
                 Some(g) => g.release_permit(permit.id, reason).await,
                 None => self.store.release_permit(permit.id, reason).await,
@@ -256,12 +312,22 @@ impl Gateway {
     ) -> Result<Taken, Status> {
         for _ in 0..2 {
             let taken = match (&self.commits, lease) {
-                (Some(g), Some(l)) => g.begin_invocation_with_permit(l, req).await.map(|t| t.0),
-                (None, Some(l)) => self
-                    .store
-                    .begin_invocation_with_permit(l, req)
-                    .await
-                    .map(|t| t.0),
+                (commits, Some(l)) => {
+                    // the ended calls' permits are released in this transaction, or kept
+                    let ended = self.take_ended();
+                    let taken = match commits {
+                        Some(g) => g.begin_invocation_with_permit(l, req, &ended).await,
+                        None => {
+                            self.store
+                                .begin_invocation_with_permit(l, req, &ended)
+                                .await
+                        }
+                    };
+                    if taken.is_err() {
+                        self.keep_ended(ended);
+                    }
+                    taken.map(|t| t.0)
+                }
                 (Some(g), None) => g.acquire_permit(req).await,
                 (None, None) => self.store.acquire_permit(req).await,
             };

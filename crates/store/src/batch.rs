@@ -22,7 +22,7 @@ use uuid::Uuid;
 use z29c_core::{AttemptId, LeaseClaim, RequestIdentity};
 
 use crate::leases::{self, CommitOutcome, Observed};
-use crate::permits::{self, Permit, PermitRequest};
+use crate::permits::{self, EndedPermit, Permit, PermitRequest};
 use crate::{Result, Store, StoreError};
 
 /// Called once the shared `COMMIT` is known: `Ok` when it succeeded.
@@ -184,11 +184,26 @@ impl GroupCommit {
         &self,
         claim: &LeaseClaim,
         req: &PermitRequest<'_>,
+        ended: &[EndedPermit],
     ) -> Result<(Permit, i64)> {
-        let (claim, req) = (claim.clone(), OwnedPermitRequest::from(req));
+        let (claim, req, ended) = (claim.clone(), OwnedPermitRequest::from(req), ended.to_vec());
         self.run(Uuid::nil(), move |conn| {
             Box::pin(async move {
-                permits::begin_invocation_with_permit_in(conn, &claim, &req.borrow()).await
+                permits::begin_invocation_with_permit_in(conn, &claim, &req.borrow(), &ended).await
+            })
+        })
+        .await
+    }
+
+    /// [`Store::release_permits`], group-committed.
+    pub async fn release_permits(&self, ended: &[EndedPermit]) -> Result<()> {
+        let ended = ended.to_vec();
+        self.run(Uuid::nil(), move |conn| {
+            Box::pin(async move {
+                for e in &ended {
+                    permits::release_permit_in(&mut *conn, e.permit, e.reason, e.ended).await?;
+                }
+                Ok(())
             })
         })
         .await
@@ -196,9 +211,9 @@ impl GroupCommit {
 
     /// [`Store::release_permit`], group-committed.
     pub async fn release_permit(&self, id: Uuid, reason: &str) -> Result<()> {
-        let reason = reason.to_owned();
+        let (reason, ended) = (reason.to_owned(), std::time::Instant::now());
         self.run(Uuid::nil(), move |conn| {
-            Box::pin(async move { permits::release_permit_in(conn, id, &reason).await })
+            Box::pin(async move { permits::release_permit_in(conn, id, &reason, ended).await })
         })
         .await
     }

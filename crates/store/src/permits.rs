@@ -24,6 +24,29 @@ pub struct PermitRequest<'a> {
     pub hold: Duration,
 }
 
+/// A permit whose call has ended with a known outcome, to be released.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EndedPermit {
+    pub permit: Uuid,
+    /// Why: the outcome (`succeeded`, `rejected`, `rate_limited`, `not_sent`).
+    pub reason: &'static str,
+    /// When the call ended, on the gateway's monotonic clock. A release made later records
+    /// `released_at` as PostgreSQL's time minus the wait, so the permit history says when the
+    /// call ended; the slot itself is freed only by the release, which errs on the safe side.
+    pub ended: std::time::Instant,
+}
+
+impl EndedPermit {
+    /// A call that ends now.
+    pub fn now(permit: Uuid, reason: &'static str) -> Self {
+        Self {
+            permit,
+            reason,
+            ended: std::time::Instant::now(),
+        }
+    }
+}
+
 /// A permit as stored.
 #[derive(Debug, Clone, Serialize, sqlx::FromRow)]
 pub struct Permit {
@@ -151,13 +174,19 @@ impl Store {
     /// its limit ([`StoreError::PermitsExhausted`]) leaves the invocation not begun, and a
     /// refused fence ([`StoreError::Fenced`]) takes no permit. Returns the permit and the
     /// attempt's new checkpoint version.
+    ///
+    /// `ended` are permits of calls that have ended, released first in the same transaction
+    /// (so their slots are free for this one): a gateway's releases ride on its next permit
+    /// instead of a `COMMIT` each. If this transaction fails they are not released; the caller
+    /// keeps them for the next try.
     pub async fn begin_invocation_with_permit(
         &self,
         claim: &LeaseClaim,
         req: &PermitRequest<'_>,
+        ended: &[EndedPermit],
     ) -> Result<(Permit, i64)> {
         let mut tx = self.begin().await?;
-        let out = begin_invocation_with_permit_in(&mut tx, claim, req).await?;
+        let out = begin_invocation_with_permit_in(&mut tx, claim, req, ended).await?;
         tx.commit().await?;
         Ok(out)
     }
@@ -168,7 +197,18 @@ impl Store {
     /// side.
     pub async fn release_permit(&self, id: Uuid, reason: &str) -> Result<()> {
         let mut tx = self.begin_relaxed().await?;
-        release_permit_in(&mut tx, id, reason).await?;
+        release_permit_in(&mut tx, id, reason, std::time::Instant::now()).await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// Releases the permits of calls that have ended, in one transaction whose COMMIT does not
+    /// wait for the disk, as [`Store::release_permit`].
+    pub async fn release_permits(&self, ended: &[EndedPermit]) -> Result<()> {
+        let mut tx = self.begin_relaxed().await?;
+        for e in ended {
+            release_permit_in(&mut tx, e.permit, e.reason, e.ended).await?;
+        }
         tx.commit().await?;
         Ok(())
     }
@@ -239,7 +279,11 @@ pub(crate) async fn begin_invocation_with_permit_in(
     conn: &mut sqlx::PgConnection,
     claim: &LeaseClaim,
     req: &PermitRequest<'_>,
+    ended: &[EndedPermit],
 ) -> Result<(Permit, i64)> {
+    for e in ended {
+        release_permit_in(&mut *conn, e.permit, e.reason, e.ended).await?;
+    }
     let version = crate::leases::begin_invocation_in(&mut *conn, claim).await?;
     let permit = acquire_permit_in(&mut *conn, req).await?;
     Ok((permit, version))
@@ -327,13 +371,18 @@ async fn take_free_slot(
 /// the permit's end and its slot freed (unless its hold ran out and another permit took it).
 pub(crate) async fn release_permit_in(
     conn: &mut sqlx::PgConnection,
-    id: Uuid,
+    permit: Uuid,
     reason: &str,
+    ended: std::time::Instant,
 ) -> Result<()> {
+    let ago = i64::try_from(ended.elapsed().as_micros()).unwrap_or(i64::MAX);
     sqlx::query(
         "WITH p AS (
              UPDATE adapter_permits
-             SET state = 'released', released_at = clock_timestamp(), release_reason = $2
+             SET state = 'released',
+                 released_at = greatest(acquired_at,
+                                        clock_timestamp() - $3 * interval '1 microsecond'),
+                 release_reason = $2
              WHERE id = $1 AND state <> 'released'
              RETURNING adapter, operation_class, slot
          )
@@ -342,8 +391,9 @@ pub(crate) async fn release_permit_in(
            AND operation_class = (SELECT operation_class FROM p)
            AND slot = (SELECT slot FROM p) AND permit_id = $1",
     )
-    .bind(id)
+    .bind(permit)
     .bind(reason)
+    .bind(ago)
     .execute(conn)
     .await?;
     Ok(())

@@ -493,3 +493,97 @@ async fn bad_credentials_fail_at_once_instead_of_being_retried() {
         start.elapsed()
     );
 }
+
+/// The gateway's one transaction before a call: *invocation began* under the lease and the
+/// call's permit, with the permits of calls that ended released first. All of it or none.
+#[sqlx::test(migrator = "MIGRATOR")]
+async fn invocation_began_and_its_permit_commit_together_or_not_at_all(pool: PgPool) {
+    use z29c_store::permits::EndedPermit;
+    let store = Store::from_pool(pool.clone());
+    store.set_permit_limit("http", "create", 1).await.unwrap();
+    submit(
+        &store,
+        &workflow("began", vec![step("a", &[]), step("b", &[])]),
+    )
+    .await;
+    let claimed = store.claim(&owner("worker-a"), 2).await.unwrap();
+    let (a, b) = (&claimed[0], &claimed[1]);
+    fn req(c: &z29c_store::leases::ClaimedStep) -> PermitRequest<'_> {
+        PermitRequest {
+            adapter: "http",
+            operation_class: "create",
+            attempt: Some(c.lease.attempt),
+            request_identity: &c.request_identity,
+            gateway: "gw-a",
+            hold: Duration::from_secs(30),
+        }
+    }
+    let checkpoint = |c: &'_ z29c_store::leases::ClaimedStep| {
+        let pool = pool.clone();
+        let attempt = c.lease.attempt.as_uuid();
+        async move {
+            sqlx::query_scalar::<_, String>("SELECT checkpoint::text FROM attempts WHERE id = $1")
+                .bind(attempt)
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+        }
+    };
+
+    let (first, version) = store
+        .begin_invocation_with_permit(&a.lease, &req(a), &[])
+        .await
+        .unwrap();
+    assert_eq!(version, a.checkpoint_version + 1);
+    assert_eq!(checkpoint(a).await, "invocation_began");
+    assert_eq!(first.attempt_id, Some(a.lease.attempt.as_uuid()));
+
+    // the class is full: b's invocation does not begin either
+    assert!(matches!(
+        store
+            .begin_invocation_with_permit(&b.lease, &req(b), &[])
+            .await,
+        Err(StoreError::PermitsExhausted { limit: 1, .. })
+    ));
+    assert_eq!(checkpoint(b).await, "request_identity_persisted");
+
+    // a refused fence takes no permit, and the ended permit it carried stays held
+    let ended = EndedPermit::now(first.id, "succeeded");
+    let mut stale = b.lease.clone();
+    stale.owner = owner("worker-b");
+    assert!(matches!(
+        store
+            .begin_invocation_with_permit(&stale, &req(b), &[ended])
+            .await,
+        Err(StoreError::Fenced(_))
+    ));
+    let held: String = sqlx::query_scalar("SELECT state FROM adapter_permits WHERE id = $1")
+        .bind(first.id)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(held, "held", "rolled back with the refused transaction");
+
+    // carried by b's transaction, a's ended permit frees the one slot for b's call
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let (second, _) = store
+        .begin_invocation_with_permit(&b.lease, &req(b), &[ended])
+        .await
+        .unwrap();
+    assert_eq!(checkpoint(b).await, "invocation_began");
+    let (state, reason, waited_ms): (String, String, f64) = sqlx::query_as(
+        "SELECT a.state, a.release_reason,
+                extract(epoch FROM b.acquired_at - a.released_at)::float8 * 1000
+         FROM adapter_permits a, adapter_permits b WHERE a.id = $1 AND b.id = $2",
+    )
+    .bind(first.id)
+    .bind(second.id)
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!((state.as_str(), reason.as_str()), ("released", "succeeded"));
+    assert!(
+        waited_ms >= 250.0,
+        "released_at is when the call ended, not when the release rode along: {waited_ms} ms"
+    );
+}

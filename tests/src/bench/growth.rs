@@ -8,7 +8,7 @@ use anyhow::{Context, Result};
 use serde::Serialize;
 use z29c_core::OwnerId;
 
-use super::{STEPS_PER_WORKFLOW, receipts, topology, workflow_named, z29c_cluster};
+use super::{Mode, STEPS_PER_WORKFLOW, receipts, topology, workflow_named, z29c_cluster};
 use crate::cluster::Cluster;
 
 /// Steps per template workflow of the growth runs (the scheduler's `max_steps`).
@@ -54,7 +54,7 @@ pub async fn z29c_growth(
     drain: usize,
     say: &dyn Fn(&str),
 ) -> Result<Growth> {
-    let mut cluster = Cluster::start_with(topology(0, false)).await?;
+    let mut cluster = Cluster::start_with(topology(0, Mode::Plain)).await?;
     let result = async {
         cluster
             .set_faults("bench", serde_json::json!({ "ledger_off": true }))
@@ -149,7 +149,7 @@ pub async fn z29c_steady(
     backlog: usize,
     say: &dyn Fn(&str),
 ) -> Result<Steady> {
-    let cluster = z29c_cluster(concurrency, 0, false).await?;
+    let cluster = z29c_cluster(concurrency, 0, Mode::Plain).await?;
     let result = async {
         let pool = cluster.db.pool(2).await?;
         let mut client = cluster.client().await?;

@@ -225,16 +225,15 @@ pub(crate) fn proc_usage(pid: i32) -> Option<(f64, f64)> {
 
 /// Drains `steps` pre-loaded steps through one executor running `concurrency` attempts.
 ///
-/// `grouped`: executor and gateway group-commit their writes (`Z29C_GROUP_COMMIT=true`); the
-/// system is then reported as `z29c-grouped`.
+/// `mode`: how the services commit (see [`Mode`]); the system is reported by its name.
 pub async fn z29c_drain(
     round: usize,
     steps: usize,
     concurrency: usize,
     cap: Duration,
-    grouped: bool,
+    mode: Mode,
 ) -> Result<Drain> {
-    let mut cluster = Cluster::start_with(topology(0, grouped)).await?;
+    let mut cluster = Cluster::start_with(topology(0, mode)).await?;
     let result = async {
         let pool = cluster.db.pool(2).await?;
         // no-op destination work: the destination answers without its own ledger commit
@@ -283,7 +282,7 @@ pub async fn z29c_drain(
         let after = Counters::take(&pool).await?;
         pool.close().await;
         anyhow::Ok(Drain::from_counters(
-            system_name(grouped),
+            mode.name(),
             round,
             concurrency,
             done,
@@ -308,28 +307,66 @@ pub(crate) async fn receipts(pool: &sqlx::PgPool) -> Result<usize> {
 }
 
 /// A cluster whose destination does no-op work, with one executor of `concurrency` workers.
-pub(crate) fn topology(recoveries: usize, grouped: bool) -> Topology {
+/// How z29c's services commit in a run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// The defaults: every write its own transaction, except that a gateway's permit releases
+    /// ride on its next permit's transaction (`release_linger_ms`, 5 ms).
+    Plain,
+    /// Group commit on in executor and gateway (`Z29C_GROUP_COMMIT=true`).
+    Grouped,
+    /// Every write its own `COMMIT`, permit releases included (`Z29C_RELEASE_LINGER_MS=0`).
+    Eager,
+}
+
+impl Mode {
+    pub const ALL: [Mode; 3] = [Mode::Plain, Mode::Grouped, Mode::Eager];
+
+    /// The system's name in the report.
+    pub fn name(self) -> &'static str {
+        match self {
+            Mode::Plain => "z29c",
+            Mode::Grouped => "z29c-grouped",
+            Mode::Eager => "z29c-eager",
+        }
+    }
+
+    pub fn parse(system: &str) -> Option<Mode> {
+        Mode::ALL.into_iter().find(|m| m.name() == system)
+    }
+
+    fn env(self) -> Vec<(String, String)> {
+        vec![
+            (
+                "Z29C_GROUP_COMMIT".into(),
+                (self == Mode::Grouped).to_string(),
+            ),
+            (
+                "Z29C_RELEASE_LINGER_MS".into(),
+                if self == Mode::Eager { "0" } else { "5" }.into(),
+            ),
+        ]
+    }
+}
+
+pub(crate) fn topology(recoveries: usize, mode: Mode) -> Topology {
     Topology {
         gateways: 1,
         executors: 0,
         recoveries,
         // far above any concurrency measured: the limit never binds, and its slots are few
         permit_limit: 4_096,
-        env: vec![("Z29C_GROUP_COMMIT".into(), grouped.to_string())],
+        env: mode.env(),
         ..Topology::default()
     }
-}
-
-fn system_name(grouped: bool) -> &'static str {
-    if grouped { "z29c-grouped" } else { "z29c" }
 }
 
 pub(crate) async fn z29c_cluster(
     concurrency: usize,
     recoveries: usize,
-    grouped: bool,
+    mode: Mode,
 ) -> Result<Cluster> {
-    let mut cluster = Cluster::start_with(topology(recoveries, grouped)).await?;
+    let mut cluster = Cluster::start_with(topology(recoveries, mode)).await?;
     cluster
         .set_faults("bench", serde_json::json!({ "ledger_off": true }))
         .await?;
@@ -353,13 +390,13 @@ fn epoch_ms() -> f64 {
 /// z29c's schedule-to-start latency: one-step workflows submitted open-loop at `rate` per
 /// second; latency is from each submission's intended time to its *invocation began*.
 pub async fn z29c_latency(
-    grouped: bool,
+    mode: Mode,
     concurrency: usize,
     load: f64,
     rate: f64,
     seconds: u64,
 ) -> Result<Latency> {
-    let cluster = z29c_cluster(concurrency, 0, grouped).await?;
+    let cluster = z29c_cluster(concurrency, 0, mode).await?;
     let result = async {
         let pool = cluster.db.pool(2).await?;
         let client = cluster.client().await?;
@@ -403,7 +440,7 @@ pub async fn z29c_latency(
                 Some(at - intended.get(i)?)
             })
             .collect();
-        latency_from(system_name(grouped), load, rate, total, &ms)
+        latency_from(mode.name(), load, rate, total, &ms)
     }
     .await;
     cluster.stop().await?;
@@ -414,7 +451,7 @@ pub async fn z29c_latency(
 /// SIGKILLed while a second executor runs; how long until recovery re-claims them, and until
 /// their receipts.
 pub async fn z29c_reclaim(held: usize) -> Result<Reclaim> {
-    let mut cluster = z29c_cluster(held, 1, false).await?;
+    let mut cluster = z29c_cluster(held, 1, Mode::Plain).await?;
     let result = async {
         let pool = cluster.db.pool(2).await?;
         cluster
