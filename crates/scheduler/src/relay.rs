@@ -1,7 +1,9 @@
 //! The outbox relay and the workflow-deadline sweep.
 
+use std::sync::Arc;
 use std::time::Duration;
 
+use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 use z29c_bus::wire::{self, envelope::Body};
@@ -12,24 +14,41 @@ use z29c_store::outbox::OutboxMessage;
 
 /// Publishes committed outbox messages with `Nats-Msg-Id`, then marks them sent. A relay that
 /// dies between the two leaves its claim to expire; the next publish is a JetStream duplicate.
-pub async fn relay(store: Store, bus: Bus, id: String, shutdown: CancellationToken) {
+///
+/// With nothing to send it polls every 50 ms (other processes' transactions write the outbox
+/// too); `wake` ends the wait at once, for this scheduler's own submissions.
+pub async fn relay(
+    store: Store,
+    bus: Bus,
+    id: String,
+    wake: Arc<Notify>,
+    shutdown: CancellationToken,
+) {
     let Ok(owner) = OwnerId::parse(format!("{id}-relay")) else {
         tracing::error!(%id, "relay id is not a valid owner name");
         return;
     };
+    // published, not yet marked: marked in the transaction that claims the next batch
+    let mut sent: Vec<i64> = Vec::new();
     while !shutdown.is_cancelled() {
-        let batch = match store
-            .claim_outbox(&owner, 200, Duration::from_secs(30))
-            .await
-        {
+        let claimed = if sent.is_empty() {
+            store.claim_outbox(&owner, BATCH, CLAIM_HOLD).await
+        } else {
+            store
+                .mark_outbox_sent_and_claim(&sent, &owner, BATCH, CLAIM_HOLD)
+                .await
+                .map(|(_, next)| next)
+        };
+        // a failed mark republishes later under the same msg ids: duplicates JetStream drops
+        sent.clear();
+        let batch = match claimed {
             Ok(b) => b,
             Err(e) => {
-                tracing::warn!(error = %e, "outbox claim failed");
+                tracing::warn!(error = %e, "outbox claim failed; duplicates will be dropped by msg-id");
                 pause(&shutdown, Duration::from_secs(1)).await;
                 continue;
             }
         };
-        let mut sent = Vec::with_capacity(batch.len());
         for msg in &batch {
             let Some(envelope) = envelope(msg) else {
                 tracing::error!(kind = %msg.kind, id = msg.id, "outbox message of unknown kind; marking sent");
@@ -52,16 +71,24 @@ pub async fn relay(store: Store, bus: Bus, id: String, shutdown: CancellationTok
                 }
             }
         }
-        if !sent.is_empty()
-            && let Err(e) = store.mark_outbox_sent(&sent).await
-        {
-            tracing::warn!(error = %e, "marking outbox sent failed; duplicates will be dropped by msg-id");
-        }
         if batch.is_empty() {
-            pause(&shutdown, Duration::from_millis(50)).await;
+            tokio::select! {
+                _ = shutdown.cancelled() => {}
+                _ = wake.notified() => {}
+                _ = tokio::time::sleep(Duration::from_millis(50)) => {}
+            }
         }
     }
+    if !sent.is_empty()
+        && let Err(e) = store.mark_outbox_sent(&sent).await
+    {
+        tracing::warn!(error = %e, "marking outbox sent failed; duplicates will be dropped by msg-id");
+    }
 }
+
+/// Most messages claimed at once, and how long a claim holds them from other relays.
+const BATCH: i64 = 200;
+const CLAIM_HOLD: Duration = Duration::from_secs(30);
 
 async fn pause(shutdown: &CancellationToken, d: Duration) {
     tokio::select! {

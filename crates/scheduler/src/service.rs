@@ -2,8 +2,10 @@
 //! lease history kept under technical details.
 
 use std::pin::Pin;
+use std::sync::Arc;
 use std::time::Duration;
 
+use tokio::sync::Notify;
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 use tracing::Instrument;
@@ -22,15 +24,24 @@ pub struct Workflows {
     bus: Bus,
     limits: SubmitLimits,
     guard: Guard,
+    /// Wakes this scheduler's outbox relay: a new workflow's `step.ready` hints go out at once.
+    relay_wake: Arc<Notify>,
 }
 
 impl Workflows {
-    pub fn new(store: Store, bus: Bus, limits: SubmitLimits, guard: Guard) -> Self {
+    pub fn new(
+        store: Store,
+        bus: Bus,
+        limits: SubmitLimits,
+        guard: Guard,
+        relay_wake: Arc<Notify>,
+    ) -> Self {
         Self {
             store,
             bus,
             limits,
             guard,
+            relay_wake,
         }
     }
 }
@@ -241,6 +252,9 @@ impl Workflows {
             .submit_workflow(&wf, &self.limits)
             .await
             .map_err(status_from_store)?;
+        if submitted.created {
+            self.relay_wake.notify_one();
+        }
         tracing::Span::current().record("workflow", tracing::field::display(&submitted.workflow));
         tracing::info!(workflow = %submitted.workflow, created = submitted.created, steps = wf.steps.len(), "workflow submitted");
         z29c_telemetry::metrics::counter!(

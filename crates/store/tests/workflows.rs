@@ -587,3 +587,63 @@ async fn invocation_began_and_its_permit_commit_together_or_not_at_all(pool: PgP
         "released_at is when the call ended, not when the release rode along: {waited_ms} ms"
     );
 }
+
+/// A relay that keeps up marks what it published and claims the next batch in one
+/// transaction; the `workflow_changed` message the mark writes is in that next batch.
+#[sqlx::test(migrator = "MIGRATOR")]
+async fn the_relay_marks_a_batch_and_claims_the_next_in_one_transaction(pool: PgPool) {
+    let store = Store::from_pool(pool.clone());
+    let s = submit(&store, &workflow("relay", vec![step("only", &[])])).await;
+    let relay = owner("relay-a");
+    let hold = Duration::from_secs(30);
+    let first = store.claim_outbox(&relay, 100, hold).await.unwrap();
+    assert_eq!(first.len(), 1, "{first:?}");
+    assert_eq!(first[0].kind, "step_ready");
+    let c = store.claim(&owner("worker-a"), 1).await.unwrap().remove(0);
+    invoke(&store, &c).await;
+    store
+        .commit_receipt(&c.lease, &success(&c, "dest-1"))
+        .await
+        .unwrap();
+    let (marked, second) = store
+        .mark_outbox_sent_and_claim(&[first[0].id], &relay, 100, hold)
+        .await
+        .unwrap();
+    assert_eq!(marked, 1);
+    let kinds: Vec<&str> = second.iter().map(|m| m.kind.as_str()).collect();
+    assert!(
+        kinds == ["step_completed", "workflow_changed"] || kinds == ["step_completed"],
+        "{kinds:?}"
+    );
+    let (marked, third) = store
+        .mark_outbox_sent_and_claim(
+            &second.iter().map(|m| m.id).collect::<Vec<_>>(),
+            &relay,
+            100,
+            hold,
+        )
+        .await
+        .unwrap();
+    assert_eq!(marked, second.len() as u64);
+    // either the receipt completed the workflow, or the mark of its `step_completed` did,
+    // and then its `workflow_changed` message is claimed by the same transaction
+    let announced: Vec<&str> = second
+        .iter()
+        .chain(third.iter())
+        .filter(|m| m.kind == "workflow_changed")
+        .map(|m| m.kind.as_str())
+        .collect();
+    assert_eq!(announced.len(), 1, "{second:?} {third:?}");
+    assert_eq!(
+        store.workflow(s.workflow).await.unwrap().state,
+        WorkflowState::Completed
+    );
+    // the batch just claimed is held from other relays until it is marked
+    assert!(
+        store
+            .claim_outbox(&owner("relay-b"), 100, hold)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+}
