@@ -581,7 +581,7 @@ async fn drive(
             }
             run.submit("target", &target, "target", 2, policy(), None)
                 .await?;
-            // the gateway releases its permit before it replies, so the permit table says too
+            // the gateway is done with its permit before it replies, so the permit table says too
             // little: the worker's own log says when it holds the answer
             run.wait_for_log(
                 "executor-1",

@@ -168,7 +168,8 @@ fn turned_away(adapter: &AdapterConfig, result: &'static str) -> Response<Invoke
 }
 
 impl Gateway {
-    /// One invocation: permit, the adapter's call, the permit's release, the answer.
+    /// One invocation: permit (with *invocation began*, under a lease), the adapter's call, the
+    /// permit's release (or its hand-over to the next permit's transaction), the answer.
     async fn call(
         &self,
         request: Request<InvokeRequest>,
