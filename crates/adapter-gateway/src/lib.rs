@@ -127,7 +127,10 @@ pub async fn run(
         shutdown.clone(),
     );
     let service = service::Gateway::new(config.clone(), store);
-    let releases = tokio::spawn(service.clone().release_ended(shutdown.clone()));
+    // stopped after the server, which lets calls in flight finish first: their permits are
+    // released too
+    let serving_done = CancellationToken::new();
+    let releases = tokio::spawn(service.clone().release_ended(serving_done.clone()));
     tracing::info!(%addr, id = %config.id, adapters = config.adapters.len(), "gateway listening");
     if let Some(ready) = ready {
         let _ = ready.send(Started { addr });
@@ -142,6 +145,7 @@ pub async fn run(
         .await?;
     registration.abort();
     // the permits of calls that ended are released before the process goes
+    serving_done.cancel();
     if let Err(e) = releases.await {
         tracing::warn!(error = %e, "the permit release task failed");
     }
