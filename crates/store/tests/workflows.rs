@@ -647,3 +647,88 @@ async fn the_relay_marks_a_batch_and_claims_the_next_in_one_transaction(pool: Pg
             .is_empty()
     );
 }
+
+/// The rules on columns that never change are domains (checked where a value enters, not on
+/// every update of the row); with the lease invariants and the policy's cross-column rule,
+/// which stay table constraints, the database still refuses every bad value, by name.
+#[sqlx::test(migrator = "MIGRATOR")]
+async fn the_database_refuses_bad_values_where_they_enter(pool: PgPool) {
+    let store = Store::from_pool(pool.clone());
+    let s = submit(&store, &workflow("checks", vec![step("a", &[])])).await;
+    let refused = |sql: &'static str| {
+        let pool = pool.clone();
+        async move {
+            let e = sqlx::query(sql)
+                .bind(s.workflow.as_uuid())
+                .execute(&pool)
+                .await
+                .expect_err(sql);
+            match StoreError::from(e) {
+                StoreError::Invalid { field, .. } => field,
+                other => panic!("{sql}: {other:?}"),
+            }
+        }
+    };
+    let cases = [
+        (
+            "UPDATE steps SET input_digest = 'not-a-digest' WHERE workflow_id = $1",
+            "sha256_hex",
+        ),
+        (
+            "UPDATE steps SET name = 'no spaces allowed' WHERE workflow_id = $1",
+            "step_name",
+        ),
+        (
+            "UPDATE steps SET adapter = '' WHERE workflow_id = $1",
+            "short_name",
+        ),
+        (
+            "UPDATE steps SET max_attempts = 0 WHERE workflow_id = $1",
+            "positive",
+        ),
+        (
+            "UPDATE steps SET renew_every_ms = lease_ms WHERE workflow_id = $1",
+            "steps_policy_check",
+        ),
+        (
+            "UPDATE steps SET final_grace_ms = lease_ms WHERE workflow_id = $1",
+            "steps_policy_check",
+        ),
+        (
+            "UPDATE steps SET lease_version = -1 WHERE workflow_id = $1",
+            "steps_lease_version_check",
+        ),
+        (
+            "UPDATE steps SET state = 'leased' WHERE workflow_id = $1",
+            "steps_check3",
+        ),
+        (
+            "UPDATE workflows SET submission_digest = 'zz' WHERE id = $1",
+            "sha256_hex",
+        ),
+        (
+            "INSERT INTO workflows (id, client_key, submission_digest, name)
+             VALUES (gen_random_uuid(), '', repeat('a', 64), $1::text)",
+            "client_key",
+        ),
+    ];
+    for (sql, constraint) in cases {
+        assert_eq!(refused(sql).await, constraint, "{sql}");
+    }
+    // an update of other columns is not refused, and nothing above changed a row
+    sqlx::query("UPDATE steps SET updated_at = now() WHERE workflow_id = $1")
+        .bind(s.workflow.as_uuid())
+        .execute(&pool)
+        .await
+        .unwrap();
+    let (name, max_attempts): (String, i32) =
+        sqlx::query_as("SELECT name, max_attempts FROM steps WHERE workflow_id = $1")
+            .bind(s.workflow.as_uuid())
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        (name.as_str(), max_attempts),
+        ("a", step("a", &[]).policy.max_attempts as i32)
+    );
+}
