@@ -21,6 +21,10 @@ pub struct ExecutorConfig {
     pub claim_batch: usize,
     /// PostgreSQL poll interval when no hint arrives.
     pub poll_ms: u64,
+    /// While steps are waiting (the last claim filled every free slot), a slot that frees
+    /// waits up to this long for others before claiming, until a quarter of the pool is free:
+    /// one claim transaction then serves several steps instead of one. 0 claims at once.
+    pub claim_gather_ms: u64,
     /// Group commit: the checkpoints and receipts of concurrently running attempts share
     /// transactions (each fenced on its own, in a savepoint). Off: one transaction each.
     pub group_commit: bool,
@@ -64,6 +68,7 @@ impl Default for ExecutorConfig {
             workers: 16,
             claim_batch: 8,
             poll_ms: 500,
+            claim_gather_ms: 5,
             group_commit: false,
             committers: 2,
             max_group: 64,

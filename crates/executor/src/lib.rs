@@ -95,14 +95,25 @@ pub async fn run(config: ExecutorConfig, shutdown: CancellationToken) -> anyhow:
     let tracker = TaskTracker::new();
     let attempts_token = CancellationToken::new();
     let poll = Duration::from_millis(config.poll_ms);
+    let claim_batch = config.claim_batch.max(1);
+    // while steps wait, claim once a quarter of the pool is free (or claim_gather_ms after a
+    // slot freed), not each time one slot frees: a claim per step would be a commit per step
+    let gather = config.workers.div_ceil(4).clamp(1, claim_batch);
+    let gather_for = Duration::from_millis(config.claim_gather_ms);
+    let mut gathering_since: Option<tokio::time::Instant> = None;
     tracing::info!(id = %owner, workers = config.workers, "executor started");
     while !shutdown.is_cancelled() {
-        let free = slots.available_permits();
-        if free > 0 {
-            match store
-                .claim(&owner, free.min(config.claim_batch) as i64)
-                .await
-            {
+        let want = slots.available_permits().min(claim_batch);
+        let gathering = want > 0
+            && want < gather
+            && backlog.load(std::sync::atomic::Ordering::Relaxed)
+            && gathering_since
+                .get_or_insert_with(tokio::time::Instant::now)
+                .elapsed()
+                < gather_for;
+        if want > 0 && !gathering {
+            gathering_since = None;
+            match store.claim(&owner, want as i64).await {
                 Ok(claimed) => {
                     let n = claimed.len();
                     z29c_telemetry::metrics::counter!(z29c_telemetry::LEASE_ACQUISITIONS)
@@ -128,7 +139,7 @@ pub async fn run(config: ExecutorConfig, shutdown: CancellationToken) -> anyhow:
                             }
                         });
                     }
-                    let full = n == free.min(config.claim_batch);
+                    let full = n == want;
                     backlog.store(full, std::sync::atomic::Ordering::Relaxed);
                     if full {
                         continue; // more may be waiting: claim again at once
@@ -137,10 +148,14 @@ pub async fn run(config: ExecutorConfig, shutdown: CancellationToken) -> anyhow:
                 Err(e) => tracing::warn!(error = %e, "claim failed"),
             }
         }
+        let until = match gathering_since {
+            Some(since) if gathering => since + gather_for,
+            _ => tokio::time::Instant::now() + poll,
+        };
         tokio::select! {
             _ = shutdown.cancelled() => break,
             _ = wake.notified() => {}
-            _ = tokio::time::sleep(poll) => {}
+            _ = tokio::time::sleep_until(until) => {}
         }
     }
     tracing::info!(in_flight = tracker.len(), "executor draining");
