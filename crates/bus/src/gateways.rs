@@ -48,10 +48,10 @@ impl Gateways {
         }
     }
 
-    /// A gateway serving `adapter`, round-robin across the registered instances.
-    pub async fn for_adapter(&self, adapter: &str) -> Option<Chosen> {
-        let mut cache = self.inner.lock().await;
-        if cache.fetched.is_none_or(|t| t.elapsed() > REFRESH) || cache.records.is_empty() {
+    /// Reads the registry again when asked to, when the cache is older than [`REFRESH`], or
+    /// when it holds no gateway.
+    async fn refresh(&self, cache: &mut Cache, now: bool) {
+        if now || cache.fetched.is_none_or(|t| t.elapsed() > REFRESH) || cache.records.is_empty() {
             match self.bus.gateways().await {
                 Ok(records) => {
                     cache.records = records;
@@ -60,6 +60,20 @@ impl Gateways {
                 Err(e) => tracing::warn!(error = %e, "gateway registry unavailable"),
             }
         }
+    }
+
+    /// The registered gateways as last read (at most [`REFRESH`] ago), or as read now when
+    /// `fresh`. Empty when none is registered or the registry cannot be read.
+    pub async fn records(&self, fresh: bool) -> Vec<GatewayRecord> {
+        let mut cache = self.inner.lock().await;
+        self.refresh(&mut cache, fresh).await;
+        cache.records.clone()
+    }
+
+    /// A gateway serving `adapter`, round-robin across the registered instances.
+    pub async fn for_adapter(&self, adapter: &str) -> Option<Chosen> {
+        let mut cache = self.inner.lock().await;
+        self.refresh(&mut cache, false).await;
         let serving: Vec<(String, String, AdapterCapability)> = cache
             .records
             .iter()

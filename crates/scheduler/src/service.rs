@@ -9,7 +9,8 @@ use tokio::sync::Notify;
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 use tracing::Instrument;
-use z29c_bus::Bus;
+use z29c_bus::gateways::Gateways;
+use z29c_bus::{Bus, GatewayRecord};
 use z29c_core::Action;
 use z29c_core::{ClientKey, LeasePolicy, ProductState, StepName, WorkflowId};
 use z29c_proto::v1::workflow_service_server::WorkflowService;
@@ -21,7 +22,9 @@ use z29c_store::workflows::{NewStep, NewWorkflow, StepDetail, SubmitLimits, Work
 #[derive(Debug, Clone)]
 pub struct Workflows {
     store: Store,
-    bus: Bus,
+    /// The gateway registry, cached: a submission's adapters are checked against it without
+    /// reading the registry each time (a name not in the cache is looked up again at once).
+    gateways: Gateways,
     limits: SubmitLimits,
     guard: Guard,
     /// Wakes this scheduler's outbox relay: a new workflow's `step.ready` hints go out at once.
@@ -38,7 +41,7 @@ impl Workflows {
     ) -> Self {
         Self {
             store,
-            bus,
+            gateways: Gateways::new(bus, z29c_security::TlsConfig::default()),
             limits,
             guard,
             relay_wake,
@@ -231,21 +234,26 @@ impl Workflows {
     ) -> Result<Response<pb::SubmitResponse>, Status> {
         let mut wf = new_workflow(request.into_inner())?;
         wf.trace_context = z29c_telemetry::trace::current_traceparent();
-        // unknown adapters are refused when the registry can say what is served
-        if let Ok(gateways) = self.bus.gateways().await
-            && !gateways.is_empty()
-        {
-            for (i, s) in wf.steps.iter().enumerate() {
-                let served = gateways
+        // unknown adapters are refused when the registry can say what is served; a refusal
+        // is decided on a fresh read, so a gateway registered since the cached one counts
+        let unserved = |gateways: &[GatewayRecord]| {
+            wf.steps.iter().position(|s| {
+                !gateways
                     .iter()
-                    .any(|g| g.adapters.iter().any(|a| a.name == s.adapter));
-                if !served {
-                    return Err(invalid(
-                        format!("steps[{i}].adapter"),
-                        format!("no gateway serves adapter {:?}", s.adapter),
-                    ));
-                }
-            }
+                    .any(|g| g.adapters.iter().any(|a| a.name == s.adapter))
+            })
+        };
+        let mut gateways = self.gateways.records(false).await;
+        if unserved(&gateways).is_some() {
+            gateways = self.gateways.records(true).await;
+        }
+        if !gateways.is_empty()
+            && let Some(i) = unserved(&gateways)
+        {
+            return Err(invalid(
+                format!("steps[{i}].adapter"),
+                format!("no gateway serves adapter {:?}", wf.steps[i].adapter),
+            ));
         }
         let submitted = self
             .store
