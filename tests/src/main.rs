@@ -238,6 +238,9 @@ async fn bench(a: BenchArgs) -> Result<()> {
     result
 }
 
+/// One-step workflows drained to scale z29c's open-loop load by.
+const ONE_STEP_DRAIN: usize = 3_000;
+
 async fn bench_on(a: BenchArgs) -> Result<()> {
     use z29c_scenarios::bench::{self, peers::Peer};
     if a.steps == 0 || a.concurrency.contains(&0) || a.rounds == 0 {
@@ -313,7 +316,15 @@ async fn bench_on(a: BenchArgs) -> Result<()> {
                     if !a.systems.iter().any(|s| s == mode.name()) {
                         continue;
                     }
-                    let d = bench::z29c_drain(round, a.steps, c, a.cap, mode).await?;
+                    let d = bench::z29c_drain(
+                        round,
+                        a.steps,
+                        bench::STEPS_PER_WORKFLOW,
+                        c,
+                        a.cap,
+                        mode,
+                    )
+                    .await?;
                     line(&d);
                     report.drains.push(d);
                 }
@@ -331,8 +342,22 @@ async fn bench_on(a: BenchArgs) -> Result<()> {
         let c = a.concurrency.iter().copied().max().unwrap_or(8);
         for &load in &a.loads {
             for system in &a.systems {
-                // the offered rate is a fraction of the system's own drain rate in this run
-                let Some(drain) = report.drain_median(system, c) else {
+                // the offered rate is a fraction of the system's own drain rate in this run, of
+                // the same shape as the load: one job per enqueue. For z29c that is a drain of
+                // one-step workflows (each step pays for its workflow's submission and
+                // completion too), measured here once per system
+                let mut scale_by = system.clone();
+                if let Some(mode) = bench::Mode::parse(system) {
+                    scale_by = format!("{system} 1-step");
+                    if report.drain_median(&scale_by, c).is_none() {
+                        let n = a.steps.min(ONE_STEP_DRAIN);
+                        let d = bench::z29c_drain(1, n, 1, c, a.cap, mode).await?;
+                        line(&d);
+                        report.drains.push(d);
+                        save(&report)?;
+                    }
+                }
+                let Some(drain) = report.drain_median(&scale_by, c) else {
                     say(&format!(
                         "latency: no {system} drain at concurrency {c} to scale the load by; skipped"
                     ));
@@ -363,6 +388,12 @@ async fn bench_on(a: BenchArgs) -> Result<()> {
                     l.started,
                     l.sent
                 ));
+                for leg in &l.legs {
+                    say(&format!(
+                        "  {}: p50 {:.1} ms, p99 {:.1} ms",
+                        leg.leg, leg.p50_ms, leg.p99_ms
+                    ));
+                }
                 report.latencies.push(l);
                 save(&report)?;
             }

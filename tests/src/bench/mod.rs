@@ -120,6 +120,28 @@ pub struct Latency {
     pub p99_ms: f64,
     pub p999_ms: f64,
     pub max_ms: f64,
+    /// Where the time went (z29c): each leg's p50 and p99 in ms, from PostgreSQL's
+    /// transaction start times of the submission, the claim and *invocation began*.
+    pub legs: Vec<Leg>,
+}
+
+/// One leg of schedule-to-start.
+#[derive(Debug, Clone, Serialize)]
+pub struct Leg {
+    pub leg: String,
+    pub p50_ms: f64,
+    pub p99_ms: f64,
+}
+
+impl Leg {
+    fn from(leg: &str, ms: &[f64]) -> Result<Self> {
+        let l = latency_from(leg, 0.0, 0.0, ms.len(), ms)?;
+        Ok(Self {
+            leg: leg.into(),
+            p50_ms: l.p50_ms,
+            p99_ms: l.p99_ms,
+        })
+    }
 }
 
 /// Builds a [`Latency`] from milliseconds per started job (HDR histogram, µs resolution).
@@ -145,6 +167,7 @@ pub fn latency_from(
         p99_ms: q(0.99),
         p999_ms: q(0.999),
         max_ms: h.max() as f64 / 1_000.0,
+        legs: Vec::new(),
     })
 }
 
@@ -182,7 +205,7 @@ pub struct Report {
 }
 
 /// Steps per submitted workflow: independent, so all are ready at once.
-pub(crate) const STEPS_PER_WORKFLOW: usize = 100;
+pub const STEPS_PER_WORKFLOW: usize = 100;
 
 fn workflow(i: usize, steps: usize) -> pb::SubmitRequest {
     workflow_named(&format!("bench-{i}"), steps)
@@ -223,16 +246,25 @@ pub(crate) fn proc_usage(pid: i32) -> Option<(f64, f64)> {
     Some((hwm_kib / 1024.0, ticks / 100.0))
 }
 
-/// Drains `steps` pre-loaded steps through one executor running `concurrency` attempts.
+/// Drains `steps` pre-loaded steps, in workflows of `per_workflow` steps, through one executor
+/// running `concurrency` attempts.
 ///
-/// `mode`: how the services commit (see [`Mode`]); the system is reported by its name.
+/// `mode`: how the services commit (see [`Mode`]); the system is reported by its name, and
+/// with ` 1-step` when the workflows have one step each (each step then also pays for its
+/// workflow's submission and completion).
 pub async fn z29c_drain(
     round: usize,
     steps: usize,
+    per_workflow: usize,
     concurrency: usize,
     cap: Duration,
     mode: Mode,
 ) -> Result<Drain> {
+    let per_workflow = per_workflow.max(1);
+    let system = match per_workflow {
+        1 => format!("{} 1-step", mode.name()),
+        _ => mode.name().to_owned(),
+    };
     let mut cluster = Cluster::start_with(topology(0, mode)).await?;
     let result = async {
         let pool = cluster.db.pool(2).await?;
@@ -241,9 +273,9 @@ pub async fn z29c_drain(
             .set_faults("bench", serde_json::json!({ "ledger_off": true }))
             .await?;
         let mut client = cluster.client().await?;
-        let workflows = steps.div_ceil(STEPS_PER_WORKFLOW);
+        let workflows = steps.div_ceil(per_workflow);
         for i in 0..workflows {
-            let n = STEPS_PER_WORKFLOW.min(steps - i * STEPS_PER_WORKFLOW);
+            let n = per_workflow.min(steps - i * per_workflow);
             client
                 .submit(workflow(i, n))
                 .await
@@ -282,7 +314,7 @@ pub async fn z29c_drain(
         let after = Counters::take(&pool).await?;
         pool.close().await;
         anyhow::Ok(Drain::from_counters(
-            mode.name(),
+            &system,
             round,
             concurrency,
             done,
@@ -425,22 +457,37 @@ pub async fn z29c_latency(
         while receipts(&pool).await? + failed < total && Instant::now() < until {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
-        let began: Vec<(String, f64)> = sqlx::query_as(
-            "SELECT w.client_key, extract(epoch FROM a.invocation_began_at)::float8 * 1000
+        let began: Vec<(String, f64, f64, f64)> = sqlx::query_as(
+            "SELECT w.client_key, extract(epoch FROM w.created_at)::float8 * 1000,
+                    extract(epoch FROM a.created_at)::float8 * 1000,
+                    extract(epoch FROM a.invocation_began_at)::float8 * 1000
              FROM attempts a JOIN workflows w ON w.id = a.workflow_id
              WHERE a.number = 1 AND a.invocation_began_at IS NOT NULL",
         )
         .fetch_all(&pool)
         .await?;
         pool.close().await;
-        let ms: Vec<f64> = began
-            .into_iter()
-            .filter_map(|(key, at)| {
-                let i: usize = key.strip_prefix("lat-")?.parse().ok()?;
-                Some(at - intended.get(i)?)
-            })
-            .collect();
-        latency_from(mode.name(), load, rate, total, &ms)
+        let (mut ms, mut submit, mut claim, mut invoke) = (vec![], vec![], vec![], vec![]);
+        for (key, submitted, claimed, at) in began {
+            let Some(sent) = key
+                .strip_prefix("lat-")
+                .and_then(|i| i.parse::<usize>().ok())
+                .and_then(|i| intended.get(i))
+            else {
+                continue;
+            };
+            ms.push(at - sent);
+            submit.push(submitted - sent);
+            claim.push(claimed - submitted);
+            invoke.push(at - claimed);
+        }
+        let mut l = latency_from(mode.name(), load, rate, total, &ms)?;
+        l.legs = vec![
+            Leg::from("intended send → submission's transaction", &submit)?,
+            Leg::from("submission → claim's transaction", &claim)?,
+            Leg::from("claim → invocation began (gateway)", &invoke)?,
+        ];
+        Ok(l)
     }
     .await;
     cluster.stop().await?;
@@ -713,6 +760,12 @@ impl Report {
                     "{:<28} | {:>3.0}% | {:>6.0} | {:>4} | {:>7} | {:>6.1} | {:>6.1} | {:>8.1} | {:>6.1}\n",
                     l.system, l.load * 100.0, l.rate, l.sent, l.started, l.p50_ms, l.p99_ms, l.p999_ms, l.max_ms
                 ));
+                for leg in &l.legs {
+                    out.push_str(&format!(
+                        "  {:<44} p50 {:>6.1} ms · p99 {:>6.1} ms\n",
+                        leg.leg, leg.p50_ms, leg.p99_ms
+                    ));
+                }
             }
         }
         if !self.reclaims.is_empty() {
