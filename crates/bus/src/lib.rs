@@ -157,6 +157,27 @@ pub struct Published {
     pub duplicate: bool,
 }
 
+/// A message sent to the stream whose acknowledgement has not been awaited yet.
+#[must_use = "a message is published only once its acknowledgement arrives"]
+pub struct Sent(jetstream::context::PublishAckFuture);
+
+impl std::fmt::Debug for Sent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Sent(awaiting the stream's acknowledgement)")
+    }
+}
+
+impl Sent {
+    /// Waits for the stream's acknowledgement: the message is stored (or was a duplicate).
+    pub async fn acked(self) -> Result<Published> {
+        let ack = self.0.await.map_err(nats)?;
+        Ok(Published {
+            sequence: ack.sequence,
+            duplicate: ack.duplicate,
+        })
+    }
+}
+
 /// A connection to z29c's stream.
 #[derive(Debug, Clone)]
 pub struct Bus {
@@ -232,6 +253,17 @@ impl Bus {
         envelope: &Envelope,
         traceparent: Option<&str>,
     ) -> Result<Published> {
+        self.send_traced(envelope, traceparent).await?.acked().await
+    }
+
+    /// The first half of [`Bus::publish_traced`]: sends the message and returns at once, before
+    /// the stream's acknowledgement, so a batch of publishes can be sent back to back and their
+    /// acknowledgements awaited after (JetStream keeps one connection's publishes in order).
+    pub async fn send_traced(
+        &self,
+        envelope: &Envelope,
+        traceparent: Option<&str>,
+    ) -> Result<Sent> {
         let topic = Topic::of(envelope)
             .ok_or_else(|| BusError::Malformed("envelope without body".into()))?;
         let mut headers = HeaderMap::new();
@@ -247,13 +279,8 @@ impl Bus {
                 Bytes::from(envelope.encode_to_vec()),
             )
             .await
-            .map_err(nats)?
-            .await
             .map_err(nats)?;
-        Ok(Published {
-            sequence: ack.sequence,
-            duplicate: ack.duplicate,
-        })
+        Ok(Sent(ack))
     }
 
     /// A durable pull consumer on one topic, with explicit acks. A message not acked within

@@ -49,6 +49,10 @@ pub async fn relay(
                 continue;
             }
         };
+        // the batch is sent back to back, then its acknowledgements are awaited in order: one
+        // round trip per batch instead of one per message. Only what the stream acknowledged is
+        // marked; the rest is republished under the same msg ids once the claim expires
+        let mut in_flight = Vec::with_capacity(batch.len());
         for msg in &batch {
             let Some(envelope) = envelope(msg) else {
                 tracing::error!(kind = %msg.kind, id = msg.id, "outbox message of unknown kind; marking sent");
@@ -60,14 +64,22 @@ pub async fn relay(
             z29c_telemetry::trace::set_parent(&span, msg.trace_context.as_deref());
             let traceparent = z29c_telemetry::trace::traceparent_of(&span);
             match bus
-                .publish_traced(&envelope, traceparent.as_deref())
-                .instrument(span)
+                .send_traced(&envelope, traceparent.as_deref())
+                .instrument(span.clone())
                 .await
             {
-                Ok(_) => sent.push(msg.id),
+                Ok(pending) => in_flight.push((msg.id, pending, span)),
                 Err(e) => {
                     tracing::warn!(error = %e, "publish failed; the claim will expire and be retried");
                     break;
+                }
+            }
+        }
+        for (id, pending, span) in in_flight {
+            match pending.acked().instrument(span).await {
+                Ok(_) => sent.push(id),
+                Err(e) => {
+                    tracing::warn!(error = %e, "publish not acknowledged; the claim will expire and be retried");
                 }
             }
         }
