@@ -82,8 +82,10 @@ impl From<sqlx::Error> for StoreError {
                     db.constraint()
                         .map_or_else(|| db.message().to_owned(), |c| format!("{c} violated")),
                 ),
-                // check_violation, not_null_violation, invalid_text_representation
-                Some("23514" | "23502" | "22P02") => Self::Invalid {
+                // check_violation, not_null_violation, invalid_text_representation, and
+                // foreign_key_violation: a reference to a row that is not there (or, for a
+                // step's history, to a step of another workflow)
+                Some("23514" | "23502" | "22P02" | "23503") => Self::Invalid {
                     field: db.constraint().unwrap_or("input").to_owned(),
                     reason: db.message().to_owned(),
                 },

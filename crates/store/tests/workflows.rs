@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use common::*;
 use sqlx::PgPool;
+use uuid::Uuid;
 use z29c_core::{ProductState, RequestIdentity, StepState, WorkflowState};
 use z29c_store::permits::PermitRequest;
 use z29c_store::workflows::SubmitLimits;
@@ -731,4 +732,60 @@ async fn the_database_refuses_bad_values_where_they_enter(pool: PgPool) {
         (name.as_str(), max_attempts),
         ("a", step("a", &[]).policy.max_attempts as i32)
     );
+}
+
+#[sqlx::test(migrator = "MIGRATOR")]
+async fn a_steps_history_names_its_own_workflow(pool: PgPool) {
+    let store = Store::from_pool(pool.clone());
+    let a = submit(&store, &workflow("history-a", vec![step("a", &[])])).await;
+    let b = submit(&store, &workflow("history-b", vec![step("b", &[])])).await;
+    let step_of = |w: Uuid| {
+        let pool = pool.clone();
+        async move {
+            sqlx::query_scalar::<_, Uuid>("SELECT id FROM steps WHERE workflow_id = $1")
+                .bind(w)
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+        }
+    };
+    let (wa, wb) = (a.workflow.as_uuid(), b.workflow.as_uuid());
+    let (sa, sb) = (step_of(wa).await, step_of(wb).await);
+    let write = |sql: &'static str, workflow: Uuid, step: Uuid| {
+        let pool = pool.clone();
+        async move {
+            sqlx::query(sql)
+                .bind(workflow)
+                .bind(step)
+                .execute(&pool)
+                .await
+                .map_err(StoreError::from)
+        }
+    };
+    let event = "INSERT INTO step_events (workflow_id, step_id, lease_version, kind)
+                 VALUES ($1, $2, 0, 'cancelled')";
+    let attempt = "INSERT INTO attempts (id, workflow_id, step_id, number, lease_version, owner,
+                       input_digest, adapter, attempt_deadline)
+                   VALUES (gen_random_uuid(), $1, $2, 1, 1, 'test', repeat('a', 64), 'http',
+                           now() + interval '1 minute')";
+    for (sql, constraint) in [
+        (event, "step_events_step_fkey"),
+        (attempt, "attempts_step_fkey"),
+    ] {
+        // a step of another workflow, and a step that does not exist, are refused by name
+        for (workflow, step) in [(wa, sb), (wb, sa), (wa, Uuid::new_v4())] {
+            match write(sql, workflow, step).await {
+                Err(StoreError::Invalid { field, .. }) => assert_eq!(field, constraint, "{sql}"),
+                other => panic!("{sql} ({workflow}, {step}): {other:?}"),
+            }
+        }
+        // the step's own workflow is accepted
+        write(sql, wb, sb).await.expect(sql);
+    }
+    let events: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM step_events WHERE kind = 'cancelled'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(events, 1);
 }
