@@ -202,6 +202,11 @@ struct BenchArgs {
     /// on) instead of DATABASE_URL's server.
     #[arg(long)]
     private_postgres: bool,
+    /// A setting of the benchmark's own PostgreSQL (`name=value`, as `postgres -c` takes it;
+    /// repeatable; implies --private-postgres), e.g. `shared_buffers=1GB`. Every system runs
+    /// on the same server, so every system gets it.
+    #[arg(long = "pg-setting", value_name = "NAME=VALUE")]
+    pg_settings: Vec<String>,
     /// Profile the statements (implies --private-postgres, with pg_stat_statements loaded):
     /// prints, at the end, the statements that took the most server time, with their calls,
     /// mean time and rows, over every system the run measured.
@@ -214,11 +219,18 @@ struct BenchArgs {
 
 async fn bench(a: BenchArgs) -> Result<()> {
     use z29c_scenarios::infra::{DURABLE_SETTINGS, PrivatePostgres};
-    if !a.private_postgres && !a.profile_statements {
+    if let Some(bad) = a.pg_settings.iter().find(|s| {
+        s.split_once('=')
+            .is_none_or(|(name, value)| name.trim().is_empty() || value.trim().is_empty())
+    }) {
+        bail!("--pg-setting: {bad:?} is not NAME=VALUE");
+    }
+    if !a.private_postgres && !a.profile_statements && a.pg_settings.is_empty() {
         return bench_on(a).await;
     }
     say("starting a PostgreSQL of the benchmark's own (initdb; durable, autovacuum on)…");
     let mut settings = DURABLE_SETTINGS.to_vec();
+    settings.extend(a.pg_settings.iter().map(String::as_str));
     if a.profile_statements {
         settings.extend([
             "shared_preload_libraries=pg_stat_statements",

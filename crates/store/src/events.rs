@@ -125,11 +125,14 @@ impl Store {
         .await?)
     }
 
-    /// The events of one attempt, oldest first.
+    /// The events of one attempt, oldest first (read by the attempt's step: events are keyed
+    /// by step).
     pub async fn attempt_events(&self, attempt: AttemptId) -> Result<Vec<StepEvent>> {
         Ok(sqlx::query_as(
             "SELECT id, kind, attempt_id, lease_version, owner, detail, at
-             FROM step_events WHERE attempt_id = $1 ORDER BY id",
+             FROM step_events
+             WHERE step_id = (SELECT step_id FROM attempts WHERE id = $1) AND attempt_id = $1
+             ORDER BY id",
         )
         .bind(attempt.as_uuid())
         .fetch_all(&self.pool)

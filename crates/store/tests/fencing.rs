@@ -745,24 +745,24 @@ async fn lease_history_is_recorded_as_step_events(pool: PgPool) {
     invoke(&store, &c).await;
     store.renew(&c.lease, 2).await.unwrap();
     take_over(&store, &pool, &c).await;
-    let kinds: Vec<String> = store
-        .step_events(c.lease.step)
-        .await
-        .unwrap()
-        .into_iter()
-        .map(|e| e.kind)
-        .collect();
-    assert_eq!(
-        kinds,
-        [
-            "lease_acquired",
-            "checkpoint",
-            "checkpoint",
-            "lease_renewed",
-            "lease_expired",
-            "recovery_lease_acquired"
-        ]
-    );
+    let kinds = |events: Vec<z29c_store::events::StepEvent>| -> Vec<String> {
+        events.into_iter().map(|e| e.kind).collect()
+    };
+    let of_step = kinds(store.step_events(c.lease.step).await.unwrap());
+    let expected = [
+        "lease_acquired",
+        "checkpoint",
+        "checkpoint",
+        "lease_renewed",
+        "lease_expired",
+        "recovery_lease_acquired",
+    ];
+    assert_eq!(of_step, expected);
+    // the step had one attempt, and the recovery lease names the attempt it took over, so the
+    // attempt's events are all of them; another step's claim adds none
+    claimed_single(&store, "k2", "worker-b").await;
+    let of_attempt = kinds(store.attempt_events(c.lease.attempt).await.unwrap());
+    assert_eq!(of_attempt, expected);
 }
 
 #[sqlx::test(migrator = "MIGRATOR")]

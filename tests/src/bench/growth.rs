@@ -31,6 +31,33 @@ pub struct SteadyMinute {
     pub steps_per_second: f64,
     pub steps_dead_tuples: i64,
     pub tables_mib: f64,
+    /// WAL written in the minute, and the share of it that was full-page images: the first
+    /// change of a page after a checkpoint logs the whole page, so a minute after a checkpoint
+    /// costs more than one before the first.
+    pub wal_mib: f64,
+    pub full_page_images: i64,
+    /// Checkpoints (timed or requested) that began in the minute.
+    pub checkpoints: i64,
+}
+
+/// The server's WAL and checkpoint counters, read at each minute's end.
+#[derive(Clone, Copy, sqlx::FromRow)]
+struct WalCounters {
+    wal_bytes: f64,
+    wal_fpi: i64,
+    checkpoints: i64,
+}
+
+impl WalCounters {
+    async fn read(pool: &sqlx::PgPool) -> Result<Self> {
+        Ok(sqlx::query_as(
+            "SELECT w.wal_bytes::float8 AS wal_bytes, w.wal_fpi,
+                    b.checkpoints_timed + b.checkpoints_req AS checkpoints
+             FROM pg_stat_wal w, pg_stat_bgwriter b",
+        )
+        .fetch_one(pool)
+        .await?)
+    }
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -156,6 +183,7 @@ pub async fn z29c_steady(
         let start = Instant::now();
         let mut next_minute = start + Duration::from_secs(60);
         let mut last = receipts(&pool).await?;
+        let mut last_wal = WalCounters::read(&pool).await?;
         let (mut minutes, mut submitted) = (Vec::new(), 0usize);
         while start.elapsed() < duration {
             let waiting: i64 = sqlx::query_scalar(
@@ -179,18 +207,29 @@ pub async fn z29c_steady(
                 )
                 .fetch_one(&pool)
                 .await?;
+                let wal = WalCounters::read(&pool).await?;
                 let m = SteadyMinute {
                     minute: minutes.len() + 1,
                     steps_per_second: (now - last) as f64 / 60.0,
                     steps_dead_tuples: dead,
                     tables_mib: bytes as f64 / (1024.0 * 1024.0),
+                    wal_mib: (wal.wal_bytes - last_wal.wal_bytes) / (1024.0 * 1024.0),
+                    full_page_images: wal.wal_fpi - last_wal.wal_fpi,
+                    checkpoints: wal.checkpoints - last_wal.checkpoints,
                 };
                 say(&format!(
-                    "steady · minute {}: {:.0} steps/s, {} dead tuples in steps, database {:.0} MiB",
-                    m.minute, m.steps_per_second, m.steps_dead_tuples, m.tables_mib
+                    "steady · minute {}: {:.0} steps/s, {} dead tuples in steps, database {:.0} MiB, WAL {:.0} MiB ({} full-page images), {} checkpoint(s) began",
+                    m.minute,
+                    m.steps_per_second,
+                    m.steps_dead_tuples,
+                    m.tables_mib,
+                    m.wal_mib,
+                    m.full_page_images,
+                    m.checkpoints
                 ));
                 minutes.push(m);
                 last = now;
+                last_wal = wal;
                 next_minute += Duration::from_secs(60);
             }
             tokio::time::sleep(Duration::from_millis(250)).await;
