@@ -70,7 +70,32 @@ fn say(line: &str) {
 
 #[tokio::main]
 async fn main() -> Result<()> {
-    match Cli::parse().command {
+    let command = Cli::parse().command;
+    // A signal drops the running command, and with it every process it started (all are
+    // `kill_on_drop`): a stopped bench leaves no PostgreSQL or z29c service behind.
+    tokio::select! {
+        out = run(command) => out,
+        signal = stop_signal() => bail!("stopped by {signal}; the processes it started were killed"),
+    }
+}
+
+/// The first SIGINT or SIGTERM.
+async fn stop_signal() -> &'static str {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut int), Ok(mut term)) = (
+        signal(SignalKind::interrupt()),
+        signal(SignalKind::terminate()),
+    ) else {
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = int.recv() => "SIGINT",
+        _ = term.recv() => "SIGTERM",
+    }
+}
+
+async fn run(command: Command) -> Result<()> {
+    match command {
         Command::Matrix {
             parallel,
             only,

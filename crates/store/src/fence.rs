@@ -1,7 +1,9 @@
-//! The fenced write: one conditional `UPDATE` on the step row that only matches while the
-//! presented lease is current by PostgreSQL's clock. It takes the step's row lock, so a
-//! recovery worker taking over the step waits for this transaction, and this transaction, if
-//! it comes second, sees the new version and changes nothing.
+//! The fenced write: one conditional statement on the step row that only matches while the
+//! presented lease is current by PostgreSQL's clock: an `UPDATE` of the checkpoint version, or,
+//! where the same transaction updates the row again (a receipt, a release), a `SELECT … FOR NO
+//! KEY UPDATE`. Either takes the step's row lock, so a recovery worker taking over the step
+//! waits for this transaction, and this transaction, if it comes second, sees the new version
+//! (PostgreSQL re-checks the condition on it) and changes nothing.
 
 use sqlx::PgConnection;
 use uuid::Uuid;
@@ -20,6 +22,8 @@ pub(crate) struct Held {
     pub(crate) workflow: Uuid,
     pub(crate) workflow_state: WorkflowState,
     pub(crate) checkpoint: Option<Checkpoint>,
+    /// The version this write records. A fence that [locks only](locks_only) computes it;
+    /// the update that follows it stores it.
     pub(crate) checkpoint_version: i64,
     pub(crate) request_identity: Option<String>,
     pub(crate) input_digest: String,
@@ -48,6 +52,17 @@ struct ViewRow {
     checkpoint: Option<String>,
 }
 
+/// Whether `write` is followed, in its transaction, by an update of the step's row that ends
+/// the lease or the step ([`crate::leases::finish_step`] for a receipt, which records the
+/// checkpoint version the fence returns; the release paths). Such a fence only locks the row:
+/// one row version per write instead of two.
+fn locks_only(write: FencedWrite) -> bool {
+    matches!(
+        write,
+        FencedWrite::Release | FencedWrite::Advance(Checkpoint::ReceiptCommitted)
+    )
+}
+
 /// Fences `write` under `claim` inside the caller's transaction. On success the step row is
 /// locked until the transaction ends; on refusal the caller must let the transaction roll back.
 pub(crate) async fn fence(
@@ -59,7 +74,22 @@ pub(crate) async fn fence(
         LeaseKind::Execution => Some(claim.attempt.as_uuid()),
         LeaseKind::Recovery => None,
     };
-    let row: Option<HeldRow> = sqlx::query_as(
+    // A write that changes the step's row anyway (its end, a release) only locks it here;
+    // a checkpoint that leaves the step leased records its version here. Either way the
+    // lease is matched on the row's newest version once the lock is held.
+    let sql = if locks_only(write) {
+        "SELECT s.workflow_id, s.checkpoint_version + $6 AS checkpoint_version,
+                s.request_identity, s.input_digest, s.adapter,
+                (SELECT w.state::text FROM workflows w WHERE w.id = s.workflow_id)
+                    AS workflow_state,
+                (SELECT a.checkpoint::text FROM attempts a WHERE a.id = s.current_attempt_id)
+                    AS checkpoint
+         FROM steps s
+         WHERE s.id = $1 AND s.lease_version = $2 AND s.lease_owner = $3
+           AND s.state = $4::step_state AND s.expires_at > now()
+           AND ($5::uuid IS NULL OR s.current_attempt_id = $5)
+         FOR NO KEY UPDATE OF s"
+    } else {
         "UPDATE steps s
          SET checkpoint_version = s.checkpoint_version + $6, updated_at = now()
          WHERE s.id = $1 AND s.lease_version = $2 AND s.lease_owner = $3
@@ -70,16 +100,17 @@ pub(crate) async fn fence(
                    (SELECT w.state::text FROM workflows w WHERE w.id = s.workflow_id)
                        AS workflow_state,
                    (SELECT a.checkpoint::text FROM attempts a WHERE a.id = s.current_attempt_id)
-                       AS checkpoint",
-    )
-    .bind(claim.step.as_uuid())
-    .bind(claim.version.get())
-    .bind(claim.owner.as_str())
-    .bind(claim.kind.step_state().as_str())
-    .bind(attempt)
-    .bind(i64::from(matches!(write, FencedWrite::Advance(_))))
-    .fetch_optional(&mut *conn)
-    .await?;
+                       AS checkpoint"
+    };
+    let row: Option<HeldRow> = sqlx::query_as(sql)
+        .bind(claim.step.as_uuid())
+        .bind(claim.version.get())
+        .bind(claim.owner.as_str())
+        .bind(claim.kind.step_state().as_str())
+        .bind(attempt)
+        .bind(i64::from(matches!(write, FencedWrite::Advance(_))))
+        .fetch_optional(&mut *conn)
+        .await?;
 
     let Some(row) = row else {
         return Err(StoreError::Fenced(diagnose(conn, claim, write).await?));

@@ -677,7 +677,7 @@ pub(crate) async fn finish_step(
              UPDATE steps
              SET state = $14::step_state, lease_owner = NULL, leased_at = NULL,
                  expires_at = NULL, request_identity = coalesce(request_identity, $9),
-                 updated_at = now()
+                 checkpoint_version = $18, updated_at = now()
              WHERE id = $2
          ), e AS (
              INSERT INTO step_events (workflow_id, step_id, attempt_id, lease_version, owner,
@@ -720,6 +720,7 @@ pub(crate) async fn finish_step(
     .bind(claim.owner.as_str())
     .bind(EventKind::LeaseReleased.as_str())
     .bind(MessageKind::StepCompleted.as_str())
+    .bind(held.checkpoint_version)
     .fetch_one(&mut *conn)
     .await?;
     let has_dependents: bool = row.try_get("has_dependents")?;

@@ -308,3 +308,70 @@ async fn a_live_commit_and_a_recovery_attempt_never_both_win(
     }
     assert_eq!(committed + recovered, N);
 }
+
+/// Holds the step's row lock in a transaction of its own, changed by `change`, while the
+/// worker commits its receipt, then commits: the receipt's fence waits for the lock and is
+/// judged on the row as that transaction left it.
+async fn receipt_behind(pool: &sqlx::PgPool, key: &str, change: &'static str) -> (i64, bool) {
+    let store = Store::from_pool(pool.clone());
+    let c = claimed_single(&store, key, "worker-a").await;
+    invoke(&store, &c).await;
+    let mut holder = pool.begin().await.unwrap();
+    sqlx::query(change)
+        .bind(c.lease.step.as_uuid())
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    let observed = success(&c, "dest");
+    let commit = tokio::spawn({
+        let store = store.clone();
+        let lease = c.lease.clone();
+        async move { store.commit_or_keep_late(&lease, &observed).await }
+    });
+    // the commit is waiting on the row lock, not done
+    let mut waiting = 0i64;
+    for _ in 0..200 {
+        waiting = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity
+             WHERE datname = current_database() AND wait_event_type = 'Lock'",
+        )
+        .fetch_one(pool)
+        .await
+        .unwrap();
+        if waiting > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(waiting, 1, "the receipt's fence waits for the row lock");
+    assert!(!commit.is_finished());
+    holder.commit().await.unwrap();
+    let committed = matches!(commit.await.unwrap().unwrap(), CommitOutcome::Committed(_));
+    let receipts = count(
+        pool,
+        "SELECT count(*) FROM step_receipts WHERE step_id = $1",
+        c.lease.step,
+    )
+    .await;
+    (receipts, committed)
+}
+
+#[sqlx::test(migrator = "MIGRATOR")]
+async fn a_receipt_waiting_on_the_step_is_judged_on_the_row_it_waited_for(pool: sqlx::PgPool) {
+    // the lease moved on while the receipt waited (a takeover): no receipt, the result is late
+    let (receipts, committed) = receipt_behind(
+        &pool,
+        "moved-on",
+        "UPDATE steps SET lease_version = lease_version + 1 WHERE id = $1",
+    )
+    .await;
+    assert_eq!((receipts, committed), (0, false));
+    // the lease is as it was (another write of the step's row): the receipt commits after it
+    let (receipts, committed) = receipt_behind(
+        &pool,
+        "unchanged",
+        "UPDATE steps SET updated_at = now() WHERE id = $1",
+    )
+    .await;
+    assert_eq!((receipts, committed), (1, true));
+}
