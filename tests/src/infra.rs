@@ -55,13 +55,23 @@ fn pg_bin(name: &str) -> Result<PathBuf> {
 }
 
 fn unprivileged(program: &Path) -> Command {
+    let mut c = Command::new(program);
+    // the server itself runs as `nobody` (not under `runuser`, which would stay its parent):
+    // killing this child kills the postmaster, and its backends follow
     if is_root() {
-        let mut c = Command::new("runuser");
-        c.args(["-u", "nobody", "--"]).arg(program);
-        c
-    } else {
-        Command::new(program)
+        c.uid(nobody_id("-u")).gid(nobody_id("-g"));
     }
+    c
+}
+
+/// `nobody`'s user (`-u`) or group (`-g`) id; 65534 where `id` cannot say.
+fn nobody_id(which: &str) -> u32 {
+    std::process::Command::new("id")
+        .args([which, "nobody"])
+        .output()
+        .ok()
+        .and_then(|o| String::from_utf8_lossy(&o.stdout).trim().parse().ok())
+        .unwrap_or(65_534)
 }
 
 async fn wait_for_port(port: u16) -> Result<()> {
@@ -171,7 +181,9 @@ impl PrivatePostgres {
 
     /// SIGKILLs the postmaster (its backends follow), then starts it again on the same data:
     /// crash recovery, every connection lost, exactly a PostgreSQL crash and restart.
+    /// Fails unless the server that answers afterwards is a new one.
     pub async fn crash_and_restart(&mut self, down_for: Duration) -> Result<()> {
+        let before = self.started_at().await?;
         if let Some(mut c) = self.child.take() {
             c.start_kill()?;
             c.wait().await?;
@@ -181,13 +193,36 @@ impl PrivatePostgres {
         while tokio::net::TcpStream::connect(("127.0.0.1", self.port))
             .await
             .is_ok()
-            && start.elapsed() < Duration::from_secs(10)
         {
+            if start.elapsed() > Duration::from_secs(10) {
+                bail!(
+                    "PostgreSQL on {} still answers 10 s after SIGKILL",
+                    self.port
+                );
+            }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
         let _ = std::fs::remove_file(self.dir.join("data/postmaster.pid"));
         tokio::time::sleep(down_for).await;
-        self.spawn().await
+        self.spawn().await?;
+        let after = self.started_at().await?;
+        if after <= before {
+            bail!(
+                "PostgreSQL on {} was not restarted (started at {before})",
+                self.port
+            );
+        }
+        Ok(())
+    }
+
+    /// When the running postmaster started.
+    async fn started_at(&self) -> Result<chrono::DateTime<chrono::Utc>> {
+        let pool = sqlx::PgPool::connect(&self.admin_url()).await?;
+        let at = sqlx::query_scalar("SELECT pg_postmaster_start_time()")
+            .fetch_one(&pool)
+            .await?;
+        pool.close().await;
+        Ok(at)
     }
 
     pub async fn stop(mut self) {

@@ -94,13 +94,23 @@ fn is_root() -> bool {
 
 /// Runs `program` as `nobody` when we are root (PostgreSQL refuses root), else as ourselves.
 fn unprivileged(program: &Path) -> Command {
+    let mut c = Command::new(program);
+    // the server itself runs as `nobody` (not under `runuser`, which would stay its parent):
+    // killing this child kills the postmaster, and its backends follow
     if is_root() {
-        let mut c = Command::new("runuser");
-        c.args(["-u", "nobody", "--"]).arg(program);
-        c
-    } else {
-        Command::new(program)
+        c.uid(nobody_id("-u")).gid(nobody_id("-g"));
     }
+    c
+}
+
+/// `nobody`'s user (`-u`) or group (`-g`) id; 65534 where `id` cannot say.
+fn nobody_id(which: &str) -> u32 {
+    std::process::Command::new("id")
+        .args([which, "nobody"])
+        .output()
+        .ok()
+        .and_then(|o| String::from_utf8_lossy(&o.stdout).trim().parse().ok())
+        .unwrap_or(65_534)
 }
 
 impl Infra {
