@@ -296,10 +296,10 @@ pub(crate) async fn acquire_permit_in(
     conn: &mut sqlx::PgConnection,
     req: &PermitRequest<'_>,
 ) -> Result<Permit> {
-    // The first free slot below the limit that nobody else is taking: one row lock, held
-    // through this statement's COMMIT, and only against a racer for the same slot. A slot
-    // taken between this statement's snapshot and its lock is rechecked and dropped, which can
-    // leave it with no row while later slots are free: a few tries tell that from a full class.
+    // A free slot below the limit that nobody else is taking: one row lock, held through this
+    // statement's COMMIT, and only against a racer for the same slot. A slot taken between
+    // this statement's snapshot and its lock is rechecked and dropped, which can leave it with
+    // no row while later slots are free: a few tries tell that from a full class.
     for _ in 0..ACQUIRE_TRIES {
         if let Some(permit) = take_free_slot(&mut *conn, req).await? {
             return Ok(permit);
@@ -334,20 +334,34 @@ async fn take_free_slot(
     Ok(sqlx::query_as(concat!(
         // every slot is named by its whole key, never joined: a join lets the planner walk
         // all of a class's slots for the one it wants (60 ms at 100,000 slots)
-        "WITH taken AS (
+        // The search starts at a random slot below the limit and wraps around. Starting at
+        // slot 0 every time gave the same few slots every permit: each took two row versions
+        // per step, and while any snapshot was open (an autovacuum's ANALYZE holds one for
+        // seconds) none could be pruned, so every take and release walked ever longer chains
+        // of them (15 buffers per release in a drain, 73 in a steady run).
+        "WITH lim AS (
+             SELECT max_in_flight AS n, floor(random() * max_in_flight)::int AS start
+             FROM adapter_limits WHERE adapter = $2 AND operation_class = $3
+         ), taken AS (
              UPDATE adapter_permit_slots
              SET permit_id = $1,
                  expires_at = clock_timestamp() + $7::bigint * interval '1 millisecond'
              WHERE adapter = $2 AND operation_class = $3
-               AND slot = (
-                   SELECT slot FROM adapter_permit_slots
-                   WHERE adapter = $2 AND operation_class = $3
-                     AND slot < (SELECT max_in_flight FROM adapter_limits
-                                 WHERE adapter = $2 AND operation_class = $3)
-                     AND (permit_id IS NULL OR expires_at <= clock_timestamp())
-                   ORDER BY slot
-                   LIMIT 1
-                   FOR UPDATE SKIP LOCKED)
+               AND slot = coalesce(
+                   (SELECT slot FROM adapter_permit_slots
+                    WHERE adapter = $2 AND operation_class = $3
+                      AND slot >= (SELECT start FROM lim) AND slot < (SELECT n FROM lim)
+                      AND (permit_id IS NULL OR expires_at <= clock_timestamp())
+                    ORDER BY slot
+                    LIMIT 1
+                    FOR UPDATE SKIP LOCKED),
+                   (SELECT slot FROM adapter_permit_slots
+                    WHERE adapter = $2 AND operation_class = $3
+                      AND slot < (SELECT start FROM lim)
+                      AND (permit_id IS NULL OR expires_at <= clock_timestamp())
+                    ORDER BY slot
+                    LIMIT 1
+                    FOR UPDATE SKIP LOCKED))
              RETURNING slot, expires_at
          )
          INSERT INTO adapter_permits (id, adapter, operation_class, attempt_id,

@@ -440,6 +440,59 @@ async fn an_expired_permits_slot_is_taken_again_and_its_late_release_frees_nothi
     store.acquire_permit(&long).await.unwrap();
 }
 
+/// Permits spread over their class's slots instead of reusing its first ones (whose row
+/// versions pile up while a snapshot is open), and the search still wraps around: every slot
+/// below the limit is found, whichever slot it starts from, and none above it.
+#[sqlx::test(migrator = "MIGRATOR")]
+async fn permits_spread_over_the_slots_and_fill_every_one(pool: PgPool) {
+    let store = Store::from_pool(pool.clone());
+    store.set_permit_limit("http", "create", 64).await.unwrap();
+    let id = RequestIdentity::parse("req").unwrap();
+    let req = permit_request(&id, Duration::from_secs(30));
+    for _ in 0..100 {
+        let p = store.acquire_permit(&req).await.unwrap();
+        store.release_permit(p.id, "succeeded").await.unwrap();
+    }
+    let (distinct, highest): (i64, i32) =
+        sqlx::query_as("SELECT count(DISTINCT slot), max(slot) FROM adapter_permits")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert!(
+        distinct >= 16,
+        "100 permits one after another used only {distinct} of 64 slots"
+    );
+    assert!(highest < 64, "slot {highest} is above the limit");
+    let mut held = Vec::new();
+    for _ in 0..64 {
+        held.push(store.acquire_permit(&req).await.unwrap());
+    }
+    assert!(matches!(
+        store.acquire_permit(&req).await,
+        Err(StoreError::PermitsExhausted { limit: 64, .. })
+    ));
+    let taken: i64 = sqlx::query_scalar(
+        "SELECT count(DISTINCT slot) FROM adapter_permit_slots WHERE permit_id IS NOT NULL",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(taken, 64, "64 held permits occupy 64 distinct slots");
+    store.release_permit(held[17].id, "succeeded").await.unwrap();
+    let again = store.acquire_permit(&req).await.unwrap();
+    let slot: i32 = sqlx::query_scalar("SELECT slot FROM adapter_permits WHERE id = $1")
+        .bind(again.id)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    let freed: i32 = sqlx::query_scalar("SELECT slot FROM adapter_permits WHERE id = $1")
+        .bind(held[17].id)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(slot, freed, "the one free slot is found from any start");
+}
+
 /// A raised limit adds slots at once; a lowered one grants nothing above it, and the permits
 /// above it end as they are released.
 #[sqlx::test(migrator = "MIGRATOR")]
