@@ -241,8 +241,7 @@ impl Store {
             .bind(owner.as_str())
             .bind(max)
             .bind(EventKind::Checkpoint.as_str());
-        let mut tx = self.begin().await?;
-        walk_the_ready_index(&mut tx).await?;
+        let mut tx = self.begin_walking_indexes(false).await?;
         let rows = rows.fetch_all(&mut *tx).await?;
         if !rows.is_empty() {
             // the attempt and its request identity are one transaction: both points are here
@@ -257,8 +256,7 @@ impl Store {
     /// rows and buffers (`EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON)`), in a transaction that is
     /// rolled back: nothing is claimed. For finding out why claims are slow.
     pub async fn claim_plan(&self, owner: &OwnerId, max: i64) -> Result<Value> {
-        let mut tx = self.begin().await?;
-        walk_the_ready_index(&mut tx).await?;
+        let mut tx = self.begin_walking_indexes(false).await?;
         let plan: Value = sqlx::query_scalar(concat!(
             "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) ",
             claim_sql!()
@@ -623,17 +621,6 @@ impl Store {
         tx.commit().await?;
         Ok(())
     }
-}
-
-/// The ready index, walked in order, is the only plan that stays cheap however many steps
-/// wait: after a burst of submissions the statistics still describe a small table and the
-/// planner would otherwise bitmap-scan and sort every ready step (200 ms at 20,000 ready
-/// steps, against 0.4 ms). One round trip, for the caller's transaction only.
-async fn walk_the_ready_index(tx: &mut PgConnection) -> Result<()> {
-    sqlx::raw_sql("SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off")
-        .execute(tx)
-        .await?;
-    Ok(())
 }
 
 fn check_observed(o: &Observed) -> Result<()> {

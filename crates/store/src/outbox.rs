@@ -69,6 +69,25 @@ pub(crate) async fn enqueue(
     Ok(())
 }
 
+/// The statement of [`Store::claim_outbox`]. The claimed rows are updated by their keys as one
+/// array: joined to the pick instead, the planner may merge-join them with a walk of the whole
+/// primary key, both being in `id` order.
+macro_rules! outbox_claim_sql {
+    () => {
+        "WITH picked AS (
+             SELECT id FROM outbox
+             WHERE sent_at IS NULL AND (claimed_until IS NULL OR claimed_until <= now())
+             ORDER BY id LIMIT $2
+             FOR UPDATE SKIP LOCKED
+         )
+         UPDATE outbox o
+         SET claimed_by = $1, claimed_until = now() + $3::bigint * interval '1 millisecond'
+         WHERE o.id = ANY(ARRAY(SELECT id FROM picked))
+         RETURNING o.id, o.msg_id, o.kind, o.workflow_id, o.step_id, o.payload, o.created_at,
+                   o.trace_context"
+    };
+}
+
 impl Store {
     /// Claims up to `limit` unsent messages, oldest first, for `hold` (PostgreSQL time).
     /// Concurrent relays claim disjoint batches; an expired claim is claimable again.
@@ -78,8 +97,11 @@ impl Store {
         limit: i64,
         hold: Duration,
     ) -> Result<Vec<OutboxMessage>> {
-        let mut conn = self.pool.acquire().await?;
-        claim_in(&mut conn, relay, limit, hold).await
+        // not durable: a claim lost in a server crash is claimed again
+        let mut tx = self.begin_walking_indexes(true).await?;
+        let claimed = claim_in(&mut tx, relay, limit, hold).await?;
+        tx.commit().await?;
+        Ok(claimed)
     }
 
     /// Marks messages as published by deleting them: a published message is JetStream's now,
@@ -114,11 +136,29 @@ impl Store {
         limit: i64,
         hold: Duration,
     ) -> Result<(u64, Vec<OutboxMessage>)> {
-        let mut tx = self.begin_relaxed().await?;
+        let mut tx = self.begin_walking_indexes(true).await?;
         let marked = mark_sent_in(&mut tx, sent).await?;
         let next = claim_in(&mut tx, relay, limit, hold).await?;
         tx.commit().await?;
         Ok((marked, next))
+    }
+
+    /// What a relay's claim of up to `limit` messages would do now, as PostgreSQL's plan with
+    /// its actual rows and buffers (`EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON)`), in a
+    /// transaction that is rolled back: nothing is claimed. For finding out why a relay is slow.
+    pub async fn outbox_claim_plan(&self, relay: &OwnerId, limit: i64) -> Result<Value> {
+        let mut tx = self.begin_walking_indexes(true).await?;
+        let plan: Value = sqlx::query_scalar(concat!(
+            "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) ",
+            outbox_claim_sql!()
+        ))
+        .bind(relay.as_str())
+        .bind(limit)
+        .bind(1_000_i64)
+        .fetch_one(&mut *tx)
+        .await?;
+        tx.rollback().await?;
+        Ok(plan)
     }
 
     /// How many messages wait to be published.
@@ -131,35 +171,24 @@ impl Store {
     }
 }
 
-/// The statement of [`Store::claim_outbox`], on the caller's connection or transaction.
+/// [`outbox_claim_sql`] on the caller's transaction, which walks indexes in order
+/// ([`Store::begin_walking_indexes`]).
 async fn claim_in(
     conn: &mut PgConnection,
     relay: &OwnerId,
     limit: i64,
     hold: Duration,
 ) -> Result<Vec<OutboxMessage>> {
-    Ok(sqlx::query_as(
-        "WITH picked AS (
-             SELECT id FROM outbox
-             WHERE sent_at IS NULL AND (claimed_until IS NULL OR claimed_until <= now())
-             ORDER BY id LIMIT $2
-             FOR UPDATE SKIP LOCKED
-         )
-         UPDATE outbox o
-         SET claimed_by = $1, claimed_until = now() + $3::bigint * interval '1 millisecond'
-         FROM picked WHERE o.id = picked.id
-         RETURNING o.id, o.msg_id, o.kind, o.workflow_id, o.step_id, o.payload, o.created_at,
-                   o.trace_context",
-    )
-    .bind(relay.as_str())
-    .bind(limit)
-    .bind(millis(hold))
-    .fetch_all(conn)
-    .await
-    .map(|mut rows: Vec<OutboxMessage>| {
-        rows.sort_by_key(|m| m.id);
-        rows
-    })?)
+    Ok(sqlx::query_as(outbox_claim_sql!())
+        .bind(relay.as_str())
+        .bind(limit)
+        .bind(millis(hold))
+        .fetch_all(conn)
+        .await
+        .map(|mut rows: Vec<OutboxMessage>| {
+            rows.sort_by_key(|m| m.id);
+            rows
+        })?)
 }
 
 /// The statement of [`Store::mark_outbox_sent`], on the caller's transaction.

@@ -478,7 +478,10 @@ async fn permits_spread_over_the_slots_and_fill_every_one(pool: PgPool) {
     .await
     .unwrap();
     assert_eq!(taken, 64, "64 held permits occupy 64 distinct slots");
-    store.release_permit(held[17].id, "succeeded").await.unwrap();
+    store
+        .release_permit(held[17].id, "succeeded")
+        .await
+        .unwrap();
     let again = store.acquire_permit(&req).await.unwrap();
     let slot: i32 = sqlx::query_scalar("SELECT slot FROM adapter_permits WHERE id = $1")
         .bind(again.id)
