@@ -12,7 +12,8 @@ use tonic::transport::Channel;
 use z29c_core::AdapterCapability;
 use z29c_proto::v1::adapter_gateway_client::AdapterGatewayClient;
 
-const REFRESH: Duration = Duration::from_secs(2);
+/// How old a read of the registry may be before the next call reads it again (behind itself).
+pub const REFRESH: Duration = Duration::from_secs(2);
 
 #[derive(Debug, Clone)]
 pub struct Gateways {
@@ -27,6 +28,8 @@ pub struct Gateways {
 struct Cache {
     records: Vec<GatewayRecord>,
     fetched: Option<Instant>,
+    /// A read of the registry is under way in the background.
+    refreshing: bool,
     channels: HashMap<String, Channel>,
 }
 
@@ -48,10 +51,12 @@ impl Gateways {
         }
     }
 
-    /// Reads the registry again when asked to, when the cache is older than [`REFRESH`], or
-    /// when it holds no gateway.
+    /// Reads the registry again, waiting for it, when asked to or when the cache holds no
+    /// gateway. A cache older than [`REFRESH`] is used as it is while one read of the
+    /// registry runs in the background: the read creates a JetStream consumer and fetches
+    /// through it, and every attempt starting meanwhile used to wait for it.
     async fn refresh(&self, cache: &mut Cache, now: bool) {
-        if now || cache.fetched.is_none_or(|t| t.elapsed() > REFRESH) || cache.records.is_empty() {
+        if now || cache.records.is_empty() {
             match self.bus.gateways().await {
                 Ok(records) => {
                     cache.records = records;
@@ -59,6 +64,21 @@ impl Gateways {
                 }
                 Err(e) => tracing::warn!(error = %e, "gateway registry unavailable"),
             }
+        } else if !cache.refreshing && cache.fetched.is_none_or(|t| t.elapsed() > REFRESH) {
+            cache.refreshing = true;
+            let (bus, inner) = (self.bus.clone(), self.inner.clone());
+            tokio::spawn(async move {
+                let read = bus.gateways().await;
+                let mut cache = inner.lock().await;
+                cache.refreshing = false;
+                match read {
+                    Ok(records) => {
+                        cache.records = records;
+                        cache.fetched = Some(Instant::now());
+                    }
+                    Err(e) => tracing::warn!(error = %e, "gateway registry unavailable"),
+                }
+            });
         }
     }
 

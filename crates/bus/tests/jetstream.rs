@@ -101,6 +101,53 @@ async fn gateways_register_and_are_listed() {
     bus.delete_stream().await.unwrap();
 }
 
+fn gateway(id: &str) -> z29c_bus::GatewayRecord {
+    z29c_bus::GatewayRecord {
+        id: id.into(),
+        endpoint: format!("http://127.0.0.1:1/{id}"),
+        adapters: vec![z29c_bus::AdapterRecord {
+            name: "http".into(),
+            version: "http/1".into(),
+            capability: z29c_core::AdapterCapability::Idempotent,
+        }],
+    }
+}
+
+/// A gateway list older than its refresh interval answers the next call at once, while the
+/// registry is read again behind it: calls used to wait for that read, each attempt starting
+/// meanwhile with them. The new list shows on a later call.
+#[tokio::test]
+async fn a_stale_gateway_list_answers_at_once_and_is_read_again_behind() {
+    use z29c_bus::gateways::{Gateways, REFRESH};
+    let bus = Bus::connect(&nats_url(), &prefix()).await.unwrap();
+    bus.register_gateway(&gateway("gw-1")).await.unwrap();
+    let gateways = Gateways::new(bus.clone(), z29c_security::TlsConfig::default());
+    assert_eq!(gateways.for_adapter("http").await.unwrap().gateway, "gw-1");
+    bus.deregister_gateway("gw-1").await.unwrap();
+    bus.register_gateway(&gateway("gw-2")).await.unwrap();
+    tokio::time::sleep(REFRESH + Duration::from_millis(200)).await;
+    assert_eq!(
+        gateways.for_adapter("http").await.unwrap().gateway,
+        "gw-1",
+        "the stale list answers without waiting for the registry"
+    );
+    let mut seen = Vec::new();
+    for _ in 0..50 {
+        let chosen = gateways.for_adapter("http").await.unwrap().gateway;
+        if chosen == "gw-2" {
+            break;
+        }
+        seen.push(chosen);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        gateways.for_adapter("http").await.unwrap().gateway,
+        "gw-2",
+        "the registry read behind the calls replaced the list (answers until then: {seen:?})"
+    );
+    bus.delete_stream().await.unwrap();
+}
+
 #[tokio::test]
 async fn a_message_out_of_deliveries_raises_an_advisory_z29c_can_read() {
     let bus = Bus::connect(&nats_url(), &prefix()).await.unwrap();
