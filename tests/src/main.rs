@@ -41,7 +41,7 @@ enum Command {
     },
     /// z29c side by side with graphile-worker, pg-boss and pgbench's one-row durable rate:
     /// drain throughput (A B A B), open-loop schedule-to-start latency, re-claim after SIGKILL.
-    Bench(BenchArgs),
+    Bench(Box<BenchArgs>),
     /// Checks a saved history (`history.json` of a failed cell or soak) again.
     Check {
         history: std::path::PathBuf,
@@ -129,7 +129,7 @@ async fn run(command: Command) -> Result<()> {
                 std::process::exit(1);
             }
         }
-        Command::Bench(args) => bench(args).await?,
+        Command::Bench(args) => bench(*args).await?,
         Command::Check {
             history,
             permit_limit,
@@ -220,9 +220,13 @@ struct BenchArgs {
     /// Open-loop loads, as fractions of each system's drain rate.
     #[arg(long, value_delimiter = ',', default_values_t = [0.5f64, 0.8])]
     loads: Vec<f64>,
-    /// Open-loop run length, seconds.
+    /// Open-loop run length, seconds, counted after the warm-up.
     #[arg(long, default_value_t = 20)]
     latency_seconds: u64,
+    /// Open-loop warm-up, seconds: offered like the rest of the load, not counted in the
+    /// percentiles (its p99 and max are printed beside them), for every system alike.
+    #[arg(long, default_value_t = 2)]
+    latency_warmup: u64,
     /// Run every system on a PostgreSQL of the benchmark's own (initdb; durable, autovacuum
     /// on) instead of DATABASE_URL's server.
     #[arg(long)]
@@ -403,7 +407,15 @@ async fn bench_on(a: BenchArgs) -> Result<()> {
                 let rate = (drain.steps_per_second * load).max(1.0);
                 let l = match bench::Mode::parse(system) {
                     Some(mode) => {
-                        bench::z29c_latency(mode, c, load, rate, a.latency_seconds).await?
+                        bench::z29c_latency(
+                            mode,
+                            c,
+                            load,
+                            rate,
+                            a.latency_warmup,
+                            a.latency_seconds,
+                        )
+                        .await?
                     }
                     None => {
                         let other = system.as_str();
@@ -413,7 +425,16 @@ async fn bench_on(a: BenchArgs) -> Result<()> {
                             Peer::GraphileWorker
                         };
                         let peers = peers.as_ref().context("peers installed")?;
-                        bench::peers::latency(peers, p, c, load, rate, a.latency_seconds).await?
+                        bench::peers::latency(
+                            peers,
+                            p,
+                            c,
+                            load,
+                            rate,
+                            a.latency_warmup,
+                            a.latency_seconds,
+                        )
+                        .await?
                     }
                 };
                 say(&format!(
@@ -430,6 +451,12 @@ async fn bench_on(a: BenchArgs) -> Result<()> {
                         "  {}: p50 {:.1} ms, p99 {:.1} ms",
                         leg.leg, leg.p50_ms, leg.p99_ms
                     ));
+                }
+                if !l.slowest.is_empty() {
+                    say(&format!("  slowest: {}", bench::Slow::describe(&l.slowest)));
+                }
+                if l.warmup.seconds > 0.0 {
+                    say(&format!("  {}", l.warmup.describe()));
                 }
                 report.latencies.push(l);
                 save(&report)?;

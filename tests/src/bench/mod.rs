@@ -123,6 +123,88 @@ pub struct Latency {
     /// Where the time went (z29c): each leg's p50 and p99 in ms, from PostgreSQL's
     /// transaction start times of the submission, the claim and *invocation began*.
     pub legs: Vec<Leg>,
+    /// The slowest jobs (z29c), slowest first: when each was meant to be sent, in seconds
+    /// from the first send, and its latency. Shows whether the tail is a moment (a warm-up, a
+    /// stall) or spread over the run.
+    pub slowest: Vec<Slow>,
+    /// The load's first seconds, run but not counted above.
+    pub warmup: Warmup,
+}
+
+/// The first seconds of an open-loop run: offered like the rest, not counted in its
+/// percentiles, for every system alike. A fresh process opens its connections and prepares its
+/// statements on its first jobs (z29c's gateway also creates an operation class's permit slots
+/// on its first call), once in its life; a steady figure must not be a cold start's. What the
+/// warm-up cost is reported beside the figures, not hidden.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Warmup {
+    pub seconds: f64,
+    /// Jobs meant to be sent in the warm-up, and started.
+    pub jobs: usize,
+    pub p99_ms: f64,
+    pub max_ms: f64,
+}
+
+impl Warmup {
+    /// Splits `(seconds from the first send, latency ms)` at `seconds`: the latencies counted,
+    /// and the warm-up's summary.
+    pub fn split(samples: &[(f64, f64)], seconds: f64) -> Result<(Vec<f64>, Self)> {
+        let ms = |cold: bool| -> Vec<f64> {
+            samples
+                .iter()
+                .filter(|(at, _)| (*at < seconds) == cold)
+                .map(|&(_, ms)| ms)
+                .collect()
+        };
+        let (cold, warm) = (ms(true), ms(false));
+        let summary = if cold.is_empty() {
+            Self {
+                seconds,
+                ..Self::default()
+            }
+        } else {
+            let l = latency_from("warm-up", 0.0, 0.0, cold.len(), &cold)?;
+            Self {
+                seconds,
+                jobs: cold.len(),
+                p99_ms: l.p99_ms,
+                max_ms: l.max_ms,
+            }
+        };
+        Ok((warm, summary))
+    }
+
+    /// `warm-up 2 s (96 jobs, not counted): p99 127.9 ms, max 212.9 ms`
+    pub fn describe(&self) -> String {
+        format!(
+            "warm-up {:.0} s ({} jobs, not counted): p99 {:.1} ms, max {:.1} ms",
+            self.seconds, self.jobs, self.p99_ms, self.max_ms
+        )
+    }
+}
+
+/// One slow job: intended send time (seconds from the first) and its latency.
+#[derive(Debug, Clone, Serialize)]
+pub struct Slow {
+    pub at_s: f64,
+    pub ms: f64,
+}
+
+impl Slow {
+    /// The `n` slowest of `(at_s, ms)`, slowest first.
+    pub fn slowest(mut all: Vec<Slow>, n: usize) -> Vec<Slow> {
+        all.sort_by(|a, b| b.ms.total_cmp(&a.ms));
+        all.truncate(n);
+        all
+    }
+
+    /// `120.0 ms at 0.1 s, 98.3 ms at 0.2 s, …`
+    pub fn describe(slow: &[Slow]) -> String {
+        slow.iter()
+            .map(|s| format!("{:.1} ms at {:.1} s", s.ms, s.at_s))
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
 }
 
 /// One leg of schedule-to-start.
@@ -168,6 +250,8 @@ pub fn latency_from(
         p999_ms: q(0.999),
         max_ms: h.max() as f64 / 1_000.0,
         legs: Vec::new(),
+        slowest: Vec::new(),
+        warmup: Warmup::default(),
     })
 }
 
@@ -420,12 +504,14 @@ fn epoch_ms() -> f64 {
 }
 
 /// z29c's schedule-to-start latency: one-step workflows submitted open-loop at `rate` per
-/// second; latency is from each submission's intended time to its *invocation began*.
+/// second for `warmup` + `seconds`; latency is from each submission's intended time to its
+/// *invocation began*, counted for the jobs meant to be sent after the [`Warmup`].
 pub async fn z29c_latency(
     mode: Mode,
     concurrency: usize,
     load: f64,
     rate: f64,
+    warmup: u64,
     seconds: u64,
 ) -> Result<Latency> {
     let cluster = z29c_cluster(concurrency, 0, mode).await?;
@@ -433,7 +519,7 @@ pub async fn z29c_latency(
         let pool = cluster.db.pool(2).await?;
         let client = cluster.client().await?;
         tokio::time::sleep(Duration::from_secs(2)).await;
-        let total = (rate * seconds as f64).round() as usize;
+        let total = (rate * (warmup + seconds) as f64).round() as usize;
         let (t0, e0) = (
             tokio::time::Instant::now() + Duration::from_millis(200),
             epoch_ms() + 200.0,
@@ -467,7 +553,8 @@ pub async fn z29c_latency(
         .fetch_all(&pool)
         .await?;
         pool.close().await;
-        let (mut ms, mut submit, mut claim, mut invoke) = (vec![], vec![], vec![], vec![]);
+        let (mut submit, mut claim, mut invoke) = (vec![], vec![], vec![]);
+        let mut all = Vec::with_capacity(began.len());
         for (key, submitted, claimed, at) in began {
             let Some(sent) = key
                 .strip_prefix("lat-")
@@ -476,17 +563,29 @@ pub async fn z29c_latency(
             else {
                 continue;
             };
-            ms.push(at - sent);
-            submit.push(submitted - sent);
-            claim.push(claimed - submitted);
-            invoke.push(at - claimed);
+            let at_s = (sent - e0) / 1_000.0;
+            all.push((at_s, at - sent));
+            if at_s >= warmup as f64 {
+                submit.push(submitted - sent);
+                claim.push(claimed - submitted);
+                invoke.push(at - claimed);
+            }
         }
-        let mut l = latency_from(mode.name(), load, rate, total, &ms)?;
+        let (ms, warm) = Warmup::split(&all, warmup as f64)?;
+        let counted = (rate * seconds as f64).round() as usize;
+        let mut l = latency_from(mode.name(), load, rate, counted, &ms)?;
+        l.warmup = warm;
         l.legs = vec![
             Leg::from("intended send → submission's transaction", &submit)?,
             Leg::from("submission → claim's transaction", &claim)?,
             Leg::from("claim → invocation began (gateway)", &invoke)?,
         ];
+        let after: Vec<Slow> = all
+            .into_iter()
+            .filter(|(at_s, _)| *at_s >= warmup as f64)
+            .map(|(at_s, ms)| Slow { at_s, ms })
+            .collect();
+        l.slowest = Slow::slowest(after, 8);
         Ok(l)
     }
     .await;
@@ -765,6 +864,12 @@ impl Report {
                         "  {:<44} p50 {:>6.1} ms · p99 {:>6.1} ms\n",
                         leg.leg, leg.p50_ms, leg.p99_ms
                     ));
+                }
+                if !l.slowest.is_empty() {
+                    out.push_str(&format!("  slowest: {}\n", Slow::describe(&l.slowest)));
+                }
+                if l.warmup.seconds > 0.0 {
+                    out.push_str(&format!("  {}\n", l.warmup.describe()));
                 }
             }
         }

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use anyhow::{Context, Result, bail};
 use serde_json::json;
 
-use super::{Counters, Drain, Latency, Reclaim, latency_from, proc_usage};
+use super::{Counters, Drain, Latency, Reclaim, Warmup, latency_from, proc_usage};
 use crate::TestDatabase;
 
 /// A peer system.
@@ -244,6 +244,7 @@ pub async fn latency(
     concurrency: usize,
     load: f64,
     rate: f64,
+    warmup: u64,
     seconds: u64,
 ) -> Result<Latency> {
     let db = TestDatabase::create().await?;
@@ -267,21 +268,31 @@ pub async fn latency(
             .run(
                 peer,
                 "produce",
-                json!({ "url": url, "rate": rate, "seconds": seconds }),
+                json!({ "url": url, "rate": rate, "seconds": warmup + seconds }),
             )
             .await?;
-        let total = (rate * seconds as f64).round() as usize;
+        let total = (rate * (warmup + seconds) as f64).round() as usize;
         let until = Instant::now() + Duration::from_secs(60);
         while samples(&file).len() < total && Instant::now() < until {
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
         stop(worker).await;
-        let lat: Vec<f64> = samples(&file)
+        let timed: Vec<(f64, f64)> = samples(&file)
             .into_iter()
             .filter(|s| s.2 >= 0.0)
-            .map(|(_, start, intended)| start - intended)
+            .map(|(_, start, intended)| (intended, start - intended))
             .collect();
-        latency_from(peer.name(), load, rate, total, &lat)
+        // the producer's first job is due at its start
+        let first = timed.iter().map(|s| s.0).fold(f64::INFINITY, f64::min);
+        let timed: Vec<(f64, f64)> = timed
+            .into_iter()
+            .map(|(intended, ms)| ((intended - first) / 1_000.0, ms))
+            .collect();
+        let (lat, warm) = Warmup::split(&timed, warmup as f64)?;
+        let counted = (rate * seconds as f64).round() as usize;
+        let mut l = latency_from(peer.name(), load, rate, counted, &lat)?;
+        l.warmup = warm;
+        Ok(l)
     }
     .await;
     let _ = std::fs::remove_file(&file);
