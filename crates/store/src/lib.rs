@@ -129,6 +129,9 @@ impl Store {
     /// bitmap-scanned and sorted (200 ms at 20,000 ready, against 0.4 ms); the outbox, a few
     /// hundred live rows in thousands of pages between vacuums, was at times read whole and
     /// sorted (37–123 ms per claim in a steady run, against under 1 ms by its index).
+    /// Reads by key use it too ([`Store::workflow`]): a plan a connection cached while the
+    /// tables were small must not go on scanning them whole. A plan cached in such a
+    /// transaction was made under these settings, so its statements run only in them.
     /// `relaxed` as [`Store::begin_relaxed`].
     pub(crate) async fn begin_walking_indexes(
         &self,

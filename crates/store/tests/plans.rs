@@ -186,3 +186,97 @@ async fn outbox_claims_walk_the_unsent_index_however_bloated_the_table(pool: PgP
     let got: Vec<i64> = claimed.iter().map(|m| m.id).collect();
     assert_eq!(&got[got.len() - 10..], &waiting[waiting.len() - 10..]);
 }
+
+/// Sequential scans of `table` so far, as PostgreSQL's statistics count them.
+async fn seq_scans(pool: &PgPool, table: &str) -> i64 {
+    sqlx::query_scalar("SELECT seq_scan FROM pg_stat_user_tables WHERE relname = $1")
+        .bind(table)
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+#[sqlx::test(migrator = "MIGRATOR")]
+async fn workflow_reads_walk_indexes_whatever_plan_their_connection_cached(pool: PgPool) {
+    const TABLES: [&str; 4] = ["workflows", "steps", "attempts", "step_receipts"];
+    // no analyze in between: a fresh database, as every submission's answer first reads it
+    sqlx::raw_sql(
+        "ALTER TABLE workflows SET (autovacuum_enabled = false);
+         ALTER TABLE steps SET (autovacuum_enabled = false);
+         ALTER TABLE attempts SET (autovacuum_enabled = false);
+         ALTER TABLE step_receipts SET (autovacuum_enabled = false);",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    // one connection: its plan cache is the one every read below goes through
+    let one = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with((*pool.connect_options()).clone())
+        .await
+        .unwrap();
+    let store = Store::from_pool(one.clone());
+    // a step with an attempt and a receipt, so every join has a row to join
+    let c = claimed_single(&store, "w", "executor-1").await;
+    invoke(&store, &c).await;
+    store
+        .commit_receipt(&c.lease, &success(&c, "ref-w"))
+        .await
+        .unwrap();
+    // the tables tiny: the connection plans the reads, then caches a generic plan (after five)
+    for _ in 0..8 {
+        store.workflow(c.workflow).await.unwrap();
+        store.list_workflows(10, None).await.unwrap();
+    }
+    // then they grow: 3,000 more workflows, each with its step, attempt and receipt
+    sqlx::query(
+        "WITH w AS (INSERT INTO workflows (id, client_key, submission_digest, name)
+                    SELECT gen_random_uuid(), 'more-' || g, repeat('a', 64), 'w'
+                    FROM generate_series(1, 3000) g RETURNING id),
+              s AS (INSERT INTO steps (id, workflow_id, name, position, adapter, operation,
+                        input, input_digest, lease_ms, renew_every_ms, attempt_deadline_ms,
+                        final_grace_ms, adapter_timeout_ms, progress_observable, max_attempts,
+                        state)
+                    SELECT gen_random_uuid(), w.id, 'only', 0, 'a', 'op', '{}', repeat('a', 64),
+                        30000, 10000, 60000, 1000, 10000, false, 3, 'completed'
+                    FROM w RETURNING id, workflow_id),
+              a AS (INSERT INTO attempts (id, step_id, workflow_id, number, lease_version,
+                        owner, state, checkpoint, request_identity, input_digest, adapter,
+                        adapter_version, attempt_deadline, invocation_began_at)
+                    SELECT gen_random_uuid(), s.id, s.workflow_id, 1, 1, 'executor-1',
+                        'succeeded', 'receipt_committed', 'r-' || s.id, repeat('a', 64), 'a',
+                        '1', now(), now()
+                    FROM s RETURNING id, step_id, workflow_id, request_identity)
+         INSERT INTO step_receipts (id, step_id, workflow_id, attempt_id, lease_version,
+             input_digest, adapter, adapter_version, request_identity, external_reference,
+             outcome, observed_result, verification)
+         SELECT gen_random_uuid(), a.step_id, a.workflow_id, a.id, 1, repeat('a', 64), 'a', '1',
+             a.request_identity, 'ref-' || a.id, 'succeeded', '{}', 'direct'
+         FROM a",
+    )
+    .execute(&one)
+    .await
+    .unwrap();
+    // this connection's counts reach the statistics before it answers (PostgreSQL 15)
+    let flush = || sqlx::query("SELECT pg_stat_force_next_flush()").execute(&one);
+    flush().await.unwrap();
+    let mut before = Vec::new();
+    for t in TABLES {
+        before.push(seq_scans(&pool, t).await);
+    }
+    let read = store.workflow(c.workflow).await.unwrap();
+    assert_eq!(read.steps.len(), 1);
+    assert!(
+        read.steps[0].receipt.is_some(),
+        "the read still joins the receipt"
+    );
+    assert_eq!(store.list_workflows(10, None).await.unwrap().len(), 10);
+    flush().await.unwrap();
+    for (t, before) in TABLES.iter().zip(before) {
+        assert_eq!(
+            seq_scans(&pool, t).await,
+            before,
+            "a workflow read scanned all of {t}"
+        );
+    }
+}
