@@ -571,14 +571,6 @@ pub async fn z29c_latency(
                 invoke.push(at - claimed);
             }
         }
-        if let Ok(path) = std::env::var("Z29C_BENCH_DUMP") {
-            let _ = std::fs::write(
-                path,
-                all.iter()
-                    .map(|(a, m)| format!("{a} {m}\n"))
-                    .collect::<String>(),
-            );
-        }
         let (ms, warm) = Warmup::split(&all, warmup as f64)?;
         let counted = (rate * seconds as f64).round() as usize;
         let mut l = latency_from(mode.name(), load, rate, counted, &ms)?;
