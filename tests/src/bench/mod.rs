@@ -174,6 +174,12 @@ impl Warmup {
         Ok((warm, summary))
     }
 
+    /// Of `total` jobs sent open-loop at `rate` (job i due i/rate s after the first), how many
+    /// are due after `seconds` of warm-up: the jobs counted.
+    pub fn counted(total: usize, rate: f64, seconds: f64) -> usize {
+        total.saturating_sub((seconds * rate).ceil() as usize)
+    }
+
     /// `warm-up 2 s (96 jobs, not counted): p99 127.9 ms, max 212.9 ms`
     pub fn describe(&self) -> String {
         format!(
@@ -572,7 +578,7 @@ pub async fn z29c_latency(
             }
         }
         let (ms, warm) = Warmup::split(&all, warmup as f64)?;
-        let counted = (rate * seconds as f64).round() as usize;
+        let counted = Warmup::counted(total, rate, warmup as f64);
         let mut l = latency_from(mode.name(), load, rate, counted, &ms)?;
         l.warmup = warm;
         l.legs = vec![
@@ -951,4 +957,40 @@ pub async fn statement_profile(admin_url: &str, top: i64) -> Result<String> {
         ));
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_warm_up_is_split_off_by_intended_send_time_and_summarised() {
+        // 10 jobs/s for 3 s: the first 2 s are the warm-up, and the slow ones sit there
+        let rate = 10.0;
+        let samples: Vec<(f64, f64)> = (0..30)
+            .map(|i| {
+                let at = f64::from(i) / rate;
+                (at, if i < 3 { 200.0 + f64::from(i) } else { 5.0 })
+            })
+            .collect();
+        let (counted, warm) = Warmup::split(&samples, 2.0).unwrap();
+        assert_eq!(counted.len(), 10);
+        assert!(counted.iter().all(|&ms| ms == 5.0));
+        assert_eq!(warm.jobs, 20);
+        assert!((warm.max_ms - 202.0).abs() < 0.5, "{}", warm.max_ms);
+        assert_eq!(Warmup::counted(30, rate, 2.0), 10);
+        // a rate whose warm-up ends between two jobs: job 7 (at 2.1875 s) is the first counted
+        assert_eq!(Warmup::counted(32, 3.2, 2.0), 25);
+        let (none, cold) = Warmup::split(&samples, 0.0).unwrap();
+        assert_eq!((none.len(), cold.jobs), (30, 0));
+    }
+
+    #[test]
+    fn the_slowest_jobs_come_slowest_first_with_when_they_were_sent() {
+        let all = [(0.1, 3.0), (4.0, 90.0), (2.5, 40.0), (7.0, 1.0)]
+            .map(|(at_s, ms)| Slow { at_s, ms })
+            .to_vec();
+        let slow = Slow::slowest(all, 2);
+        assert_eq!(Slow::describe(&slow), "90.0 ms at 4.0 s, 40.0 ms at 2.5 s");
+    }
 }

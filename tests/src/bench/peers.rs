@@ -289,7 +289,7 @@ pub async fn latency(
             .map(|(intended, ms)| ((intended - first) / 1_000.0, ms))
             .collect();
         let (lat, warm) = Warmup::split(&timed, warmup as f64)?;
-        let counted = (rate * seconds as f64).round() as usize;
+        let counted = Warmup::counted(total, rate, warmup as f64);
         let mut l = latency_from(peer.name(), load, rate, counted, &lat)?;
         l.warmup = warm;
         Ok(l)
