@@ -464,15 +464,20 @@ impl Store {
     }
 
     /// Running workflows whose deadline has passed (PostgreSQL time), oldest deadline first.
+    /// Every scheduler asks twice a second: the partial index `workflows_overdue` holds only
+    /// running workflows with a deadline, and the ask walks it (never the whole table of every
+    /// workflow that ever ran), whatever plan the connection cached.
     pub async fn overdue_workflows(&self, limit: i64) -> Result<Vec<WorkflowId>> {
+        let mut tx = self.begin_walking_indexes(false).await?;
         let ids: Vec<Uuid> = sqlx::query_scalar(
             "SELECT id FROM workflows
              WHERE state = 'running' AND deadline IS NOT NULL AND deadline <= now()
              ORDER BY deadline LIMIT $1",
         )
         .bind(limit)
-        .fetch_all(&self.pool)
+        .fetch_all(&mut *tx)
         .await?;
+        tx.commit().await?;
         Ok(ids.into_iter().map(WorkflowId::from_uuid).collect())
     }
 

@@ -280,3 +280,57 @@ async fn workflow_reads_walk_indexes_whatever_plan_their_connection_cached(pool:
         );
     }
 }
+
+#[sqlx::test(migrator = "MIGRATOR")]
+async fn the_deadline_sweep_reads_the_overdue_workflows_not_every_workflow(pool: PgPool) {
+    let one = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with((*pool.connect_options()).clone())
+        .await
+        .unwrap();
+    let store = Store::from_pool(one.clone());
+    // 5,000 workflows that ended long ago (their deadlines passed too), three running and
+    // overdue, two running with time left
+    sqlx::raw_sql(
+        "INSERT INTO workflows (id, client_key, submission_digest, name, state, deadline,
+                                ended_at)
+         SELECT gen_random_uuid(), 'ended-' || g, repeat('a', 64), 'w', 'completed',
+                now() - interval '1 day', now()
+         FROM generate_series(1, 5000) g;
+         INSERT INTO workflows (id, client_key, submission_digest, name, deadline)
+         SELECT gen_random_uuid(), 'late-' || g, repeat('a', 64), 'w',
+                now() - g * interval '1 minute'
+         FROM generate_series(1, 3) g;
+         INSERT INTO workflows (id, client_key, submission_digest, name, deadline)
+         SELECT gen_random_uuid(), 'early-' || g, repeat('a', 64), 'w', now() + interval '1 hour'
+         FROM generate_series(1, 2) g;
+         ANALYZE workflows;",
+    )
+    .execute(&one)
+    .await
+    .unwrap();
+    let flush = || sqlx::query("SELECT pg_stat_force_next_flush()").execute(&one);
+    flush().await.unwrap();
+    let before = seq_scans(&pool, "workflows").await;
+    let overdue = store.overdue_workflows(100).await.unwrap();
+    flush().await.unwrap();
+    assert_eq!(
+        seq_scans(&pool, "workflows").await,
+        before,
+        "the sweep read every workflow"
+    );
+    let mut keys = Vec::new();
+    for id in overdue {
+        let key: String = sqlx::query_scalar("SELECT client_key FROM workflows WHERE id = $1")
+            .bind(id.as_uuid())
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+        keys.push(key);
+    }
+    assert_eq!(
+        keys,
+        ["late-3", "late-2", "late-1"],
+        "oldest deadline first"
+    );
+}
