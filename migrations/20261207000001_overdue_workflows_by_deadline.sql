@@ -1,4 +1,3 @@
--- no-transaction
 -- The deadline sweep finds overdue workflows by an index (issue 7).
 --
 -- Every scheduler asks, every 500 ms, for running workflows whose deadline has passed, oldest
@@ -8,7 +7,12 @@
 -- workflows that have a deadline, so the sweep reads the overdue ones and stops.
 --
 -- `state` in the predicate makes a workflow's change of state a non-HOT update (about three
--- index entries more, once per workflow, when it ends). Built CONCURRENTLY, outside a
--- transaction, so that an upgrade does not stop writes to `workflows` while it builds.
-CREATE INDEX CONCURRENTLY IF NOT EXISTS workflows_overdue ON workflows (deadline)
+-- index entries more, once per workflow, when it ends).
+--
+-- Not CONCURRENTLY: services that start together each run the migrations, serialised by
+-- sqlx's advisory lock, and a concurrent build waits for every older snapshot, the other
+-- migrators' included, while they wait for its lock: PostgreSQL calls that a deadlock
+-- (test migrations::concurrent_starts_migrate_once_and_the_database_is_dropped_after). The
+-- build holds writes to `workflows` for as long as one scan of it takes.
+CREATE INDEX workflows_overdue ON workflows (deadline)
     WHERE state = 'running' AND deadline IS NOT NULL;
