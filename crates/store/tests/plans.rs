@@ -187,6 +187,25 @@ async fn outbox_claims_walk_the_unsent_index_however_bloated_the_table(pool: PgP
     assert_eq!(&got[got.len() - 10..], &waiting[waiting.len() - 10..]);
 }
 
+/// A pool of one connection to `pool`'s database, and a store on it: every statement below
+/// goes through that connection's plan cache.
+async fn one_connection(pool: &PgPool) -> (PgPool, Store) {
+    let one = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with((*pool.connect_options()).clone())
+        .await
+        .unwrap();
+    (one.clone(), Store::from_pool(one))
+}
+
+/// The connection's counts reach the statistics before it answers (PostgreSQL 15).
+async fn flush_statistics(one: &PgPool) {
+    sqlx::query("SELECT pg_stat_force_next_flush()")
+        .execute(one)
+        .await
+        .unwrap();
+}
+
 /// Sequential scans of `table` so far, as PostgreSQL's statistics count them.
 async fn seq_scans(pool: &PgPool, table: &str) -> i64 {
     sqlx::query_scalar("SELECT seq_scan FROM pg_stat_user_tables WHERE relname = $1")
@@ -210,12 +229,7 @@ async fn workflow_reads_walk_indexes_whatever_plan_their_connection_cached(pool:
     .await
     .unwrap();
     // one connection: its plan cache is the one every read below goes through
-    let one = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(1)
-        .connect_with((*pool.connect_options()).clone())
-        .await
-        .unwrap();
-    let store = Store::from_pool(one.clone());
+    let (one, store) = one_connection(&pool).await;
     // a step with an attempt and a receipt, so every join has a row to join
     let c = claimed_single(&store, "w", "executor-1").await;
     invoke(&store, &c).await;
@@ -257,9 +271,7 @@ async fn workflow_reads_walk_indexes_whatever_plan_their_connection_cached(pool:
     .execute(&one)
     .await
     .unwrap();
-    // this connection's counts reach the statistics before it answers (PostgreSQL 15)
-    let flush = || sqlx::query("SELECT pg_stat_force_next_flush()").execute(&one);
-    flush().await.unwrap();
+    flush_statistics(&one).await;
     let mut before = Vec::new();
     for t in TABLES {
         before.push(seq_scans(&pool, t).await);
@@ -271,7 +283,7 @@ async fn workflow_reads_walk_indexes_whatever_plan_their_connection_cached(pool:
         "the read still joins the receipt"
     );
     assert_eq!(store.list_workflows(10, None).await.unwrap().len(), 10);
-    flush().await.unwrap();
+    flush_statistics(&one).await;
     for (t, before) in TABLES.iter().zip(before) {
         assert_eq!(
             seq_scans(&pool, t).await,
@@ -283,12 +295,7 @@ async fn workflow_reads_walk_indexes_whatever_plan_their_connection_cached(pool:
 
 #[sqlx::test(migrator = "MIGRATOR")]
 async fn the_deadline_sweep_reads_the_overdue_workflows_not_every_workflow(pool: PgPool) {
-    let one = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(1)
-        .connect_with((*pool.connect_options()).clone())
-        .await
-        .unwrap();
-    let store = Store::from_pool(one.clone());
+    let (one, store) = one_connection(&pool).await;
     // 5,000 workflows that ended long ago (their deadlines passed too), three running and
     // overdue, two running with time left
     sqlx::raw_sql(
@@ -309,11 +316,10 @@ async fn the_deadline_sweep_reads_the_overdue_workflows_not_every_workflow(pool:
     .execute(&one)
     .await
     .unwrap();
-    let flush = || sqlx::query("SELECT pg_stat_force_next_flush()").execute(&one);
-    flush().await.unwrap();
+    flush_statistics(&one).await;
     let before = seq_scans(&pool, "workflows").await;
     let overdue = store.overdue_workflows(100).await.unwrap();
-    flush().await.unwrap();
+    flush_statistics(&one).await;
     assert_eq!(
         seq_scans(&pool, "workflows").await,
         before,
