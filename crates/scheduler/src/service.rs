@@ -270,8 +270,20 @@ impl Workflows {
             "created" => if submitted.created { "true" } else { "false" }
         )
         .increment(1);
+        // a new workflow is answered as its commit left it, without reading it back; an
+        // earlier submission of the same key is read as it is now
+        let workflow = match &submitted.detail {
+            Some(w) => workflow_to_wire(
+                w,
+                w.steps
+                    .iter()
+                    .map(|s| step_to_wire(s, Vec::new()))
+                    .collect(),
+            ),
+            None => self.detail(submitted.workflow, false).await?,
+        };
         Ok(Response::new(pb::SubmitResponse {
-            workflow: Some(self.detail(submitted.workflow, false).await?),
+            workflow: Some(workflow),
             created: submitted.created,
         }))
     }

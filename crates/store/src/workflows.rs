@@ -59,11 +59,24 @@ impl Default for SubmitLimits {
 }
 
 /// The answer to a submission.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct Submitted {
     pub workflow: WorkflowId,
     /// False when the client key named an identical earlier submission.
     pub created: bool,
+    /// The new workflow as its submission's commit left it (every step ready or blocked, none
+    /// leased yet), built from what was written; `None` when the key named an earlier
+    /// submission, which only a read can tell.
+    pub detail: Option<WorkflowDetail>,
+}
+
+/// A step's state at submission: ready unless it waits for others.
+fn submitted_state(s: &NewStep) -> StepState {
+    if s.depends_on.is_empty() {
+        StepState::Ready
+    } else {
+        StepState::Blocked
+    }
 }
 
 /// A receipt as stored: z29c's accepted conclusion about a step.
@@ -287,6 +300,11 @@ impl Store {
     /// Submits a workflow, idempotently on its client key: the same key and payload return the
     /// first submission (`created = false`); the same key with a different payload is
     /// [`StoreError::Conflict`]. Steps without dependencies are ready at once.
+    ///
+    /// A new workflow is written by one statement, in one round trip and one commit: the
+    /// workflow, its steps, their dependencies and the ready steps' `step.ready` messages
+    /// (data-modifying CTEs; the foreign keys are checked at the statement's end, when all are
+    /// in). Its answer, [`Submitted::detail`], is built from what was written, not read back.
     pub async fn submit_workflow(
         &self,
         wf: &NewWorkflow,
@@ -295,12 +313,86 @@ impl Store {
         wf.validate(limits)?;
         let digest = wf.digest();
         let id = WorkflowId::new();
-        let mut tx = self.begin().await?;
-        let inserted: Option<Uuid> = sqlx::query_scalar(
-            "INSERT INTO workflows (id, client_key, submission_digest, name, deadline, trace_context)
-             VALUES ($1, $2, $3, $4, $5, $6)
-             ON CONFLICT (client_key) DO NOTHING
-             RETURNING id",
+        let ids: Vec<StepId> = wf.steps.iter().map(|_| StepId::new()).collect();
+        let position = |name: &StepName| {
+            wf.steps
+                .iter()
+                .position(|x| &x.name == name)
+                .ok_or_else(|| StoreError::invalid("depends_on", "unknown step"))
+        };
+        let (mut dependent, mut dependency) = (Vec::new(), Vec::new());
+        for (i, s) in wf.steps.iter().enumerate() {
+            for dep in &s.depends_on {
+                dependent.push(ids[i].as_uuid());
+                dependency.push(ids[position(dep)?].as_uuid());
+            }
+        }
+        let steps: Vec<Value> = wf
+            .steps
+            .iter()
+            .zip(&ids)
+            .enumerate()
+            .map(|(i, (s, step))| {
+                let p = &s.policy;
+                json!({
+                    "id": step.as_uuid(),
+                    "name": s.name.as_str(),
+                    "position": i,
+                    "adapter": s.adapter,
+                    "operation": s.operation,
+                    "input": s.input,
+                    "input_digest": InputDigest::of_json(&s.input).as_str(),
+                    "lease_ms": millis(p.lease),
+                    "renew_every_ms": millis(p.renew_every),
+                    "attempt_deadline_ms": millis(p.attempt_deadline),
+                    "final_grace_ms": millis(p.final_grace),
+                    "adapter_timeout_ms": millis(p.adapter_timeout),
+                    "progress_observable": p.progress_observable,
+                    "max_attempts": p.max_attempts,
+                    "state": submitted_state(s).as_str(),
+                    "pending_deps": s.depends_on.len(),
+                })
+            })
+            .collect();
+        let ready: Vec<Uuid> = wf
+            .steps
+            .iter()
+            .zip(&ids)
+            .filter(|(s, _)| s.depends_on.is_empty())
+            .map(|(_, step)| step.as_uuid())
+            .collect();
+        let created_at: Option<DateTime<Utc>> = sqlx::query_scalar(
+            "WITH w AS (
+                 INSERT INTO workflows (id, client_key, submission_digest, name, deadline,
+                                        trace_context)
+                 VALUES ($1, $2, $3, $4, $5, $6)
+                 ON CONFLICT (client_key) DO NOTHING
+                 RETURNING id, trace_context, created_at
+             ), s AS (
+                 INSERT INTO steps (id, workflow_id, name, position, adapter, operation, input,
+                     input_digest, lease_ms, renew_every_ms, attempt_deadline_ms, final_grace_ms,
+                     adapter_timeout_ms, progress_observable, max_attempts, state, pending_deps)
+                 SELECT x.id, w.id, x.name, x.position, x.adapter, x.operation, x.input,
+                     x.input_digest, x.lease_ms, x.renew_every_ms, x.attempt_deadline_ms,
+                     x.final_grace_ms, x.adapter_timeout_ms, x.progress_observable,
+                     x.max_attempts, x.state::step_state, x.pending_deps
+                 FROM w, jsonb_to_recordset($7) AS x(id uuid, name text, position integer,
+                     adapter text, operation text, input jsonb, input_digest text,
+                     lease_ms integer, renew_every_ms integer, attempt_deadline_ms integer,
+                     final_grace_ms integer, adapter_timeout_ms integer,
+                     progress_observable boolean, max_attempts integer, state text,
+                     pending_deps integer)
+             ), d AS (
+                 INSERT INTO step_dependencies (step_id, depends_on)
+                 SELECT x.step_id, x.depends_on
+                 FROM w, unnest($8::uuid[], $9::uuid[]) AS x(step_id, depends_on)
+             ), o AS (
+                 INSERT INTO outbox (msg_id, kind, workflow_id, step_id, payload, trace_context)
+                 SELECT $10::text || '-' || gen_random_uuid()::text, $10, w.id, r.id, '{}',
+                        w.trace_context
+                 FROM w, unnest($11::uuid[]) AS r(id)
+             )
+             SELECT created_at FROM w",
         )
         .bind(id.as_uuid())
         .bind(wf.client_key.as_str())
@@ -308,13 +400,18 @@ impl Store {
         .bind(&wf.name)
         .bind(wf.deadline)
         .bind(wf.trace_context.as_deref().filter(|t| t.len() <= 256))
-        .fetch_optional(&mut *tx)
+        .bind(Value::Array(steps))
+        .bind(&dependent)
+        .bind(&dependency)
+        .bind(MessageKind::StepReady.as_str())
+        .bind(&ready)
+        .fetch_optional(&self.pool)
         .await?;
-        if inserted.is_none() {
+        let Some(created_at) = created_at else {
             let (existing, existing_digest): (Uuid, String) =
                 sqlx::query_as("SELECT id, submission_digest FROM workflows WHERE client_key = $1")
                     .bind(wf.client_key.as_str())
-                    .fetch_one(&mut *tx)
+                    .fetch_one(&self.pool)
                     .await?;
             if existing_digest != digest.as_str() {
                 return Err(StoreError::Conflict(format!(
@@ -325,72 +422,45 @@ impl Store {
             return Ok(Submitted {
                 workflow: WorkflowId::from_uuid(existing),
                 created: false,
+                detail: None,
             });
-        }
-
-        let ids: Vec<Uuid> = wf.steps.iter().map(|_| StepId::new().as_uuid()).collect();
-        for (i, s) in wf.steps.iter().enumerate() {
-            let state = if s.depends_on.is_empty() {
-                StepState::Ready
-            } else {
-                StepState::Blocked
-            };
-            let p = &s.policy;
-            sqlx::query(
-                "INSERT INTO steps (id, workflow_id, name, position, adapter, operation, input,
-                     input_digest, lease_ms, renew_every_ms, attempt_deadline_ms, final_grace_ms,
-                     adapter_timeout_ms, progress_observable, max_attempts, state, pending_deps)
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15,
-                     $16::step_state, $17)",
-            )
-            .bind(ids[i])
-            .bind(id.as_uuid())
-            .bind(s.name.as_str())
-            .bind(i32::try_from(i).unwrap_or(i32::MAX))
-            .bind(&s.adapter)
-            .bind(&s.operation)
-            .bind(&s.input)
-            .bind(InputDigest::of_json(&s.input).as_str())
-            .bind(millis(p.lease))
-            .bind(millis(p.renew_every))
-            .bind(millis(p.attempt_deadline))
-            .bind(millis(p.final_grace))
-            .bind(millis(p.adapter_timeout))
-            .bind(p.progress_observable)
-            .bind(i32::try_from(p.max_attempts).unwrap_or(i32::MAX))
-            .bind(state.as_str())
-            .bind(i32::try_from(s.depends_on.len()).unwrap_or(i32::MAX))
-            .execute(&mut *tx)
-            .await?;
-        }
-        for (i, s) in wf.steps.iter().enumerate() {
-            for dep in &s.depends_on {
-                let d = wf
-                    .steps
-                    .iter()
-                    .position(|x| &x.name == dep)
-                    .ok_or_else(|| StoreError::invalid("depends_on", "unknown step"))?;
-                sqlx::query("INSERT INTO step_dependencies (step_id, depends_on) VALUES ($1, $2)")
-                    .bind(ids[i])
-                    .bind(ids[d])
-                    .execute(&mut *tx)
-                    .await?;
-            }
-            if s.depends_on.is_empty() {
-                outbox::enqueue(
-                    &mut tx,
-                    MessageKind::StepReady,
-                    id.as_uuid(),
-                    Some(ids[i]),
-                    json!({}),
-                )
-                .await?;
-            }
-        }
-        tx.commit().await?;
+        };
+        let steps = wf
+            .steps
+            .iter()
+            .zip(&ids)
+            .map(|(s, step)| StepDetail {
+                id: *step,
+                name: s.name.as_str().to_owned(),
+                adapter: s.adapter.clone(),
+                operation: s.operation.clone(),
+                state: submitted_state(s),
+                input_digest: InputDigest::of_json(&s.input).as_str().to_owned(),
+                request_identity: None,
+                lease_owner: None,
+                lease_version: LeaseVersion::NEVER_LEASED,
+                lease_expires_at: None,
+                lease_expired: false,
+                next_eligible_at: created_at,
+                waiting_for_eligibility: false,
+                checkpoint: None,
+                last_attempt: None,
+                attempts_made: 0,
+                receipt: None,
+            })
+            .collect();
         Ok(Submitted {
             workflow: id,
             created: true,
+            detail: Some(WorkflowDetail {
+                id,
+                client_key: wf.client_key.as_str().to_owned(),
+                name: wf.name.clone(),
+                state: WorkflowState::Running,
+                deadline: wf.deadline,
+                created_at,
+                steps,
+            }),
         })
     }
 

@@ -34,6 +34,102 @@ async fn submit_is_idempotent_on_the_client_key(pool: PgPool) {
     assert_eq!(n, 1);
 }
 
+/// A new workflow is written in one transaction and answered without a read: the answer must
+/// be exactly what a read returns, and every row (workflow, steps, dependencies, the ready
+/// step's message) must carry that one transaction's id.
+#[sqlx::test(migrator = "MIGRATOR")]
+async fn a_submission_is_one_transaction_and_its_answer_is_what_a_read_returns(pool: PgPool) {
+    let store = Store::from_pool(pool.clone());
+    let mut wf = workflow(
+        "diamond-1",
+        vec![
+            step("a", &[]),
+            step("b", &["a"]),
+            step("c", &["a"]),
+            step("d", &["b", "c"]),
+        ],
+    );
+    wf.trace_context = Some("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01".into());
+    let submitted = submit(&store, &wf).await;
+    assert!(submitted.created);
+    let answered = submitted.detail.expect("a new workflow is answered");
+    let read = store.workflow(submitted.workflow).await.unwrap();
+    assert_eq!(
+        serde_json::to_value(&answered).unwrap(),
+        serde_json::to_value(&read).unwrap(),
+        "the answer built from the submission differs from the stored workflow"
+    );
+    let states: Vec<StepState> = read.steps.iter().map(|s| s.state).collect();
+    assert_eq!(
+        states,
+        [
+            StepState::Ready,
+            StepState::Blocked,
+            StepState::Blocked,
+            StepState::Blocked
+        ]
+    );
+
+    let transactions: i64 = sqlx::query_scalar(
+        "SELECT count(DISTINCT x) FROM (
+             SELECT xmin::text AS x FROM workflows
+             UNION ALL SELECT xmin::text FROM steps
+             UNION ALL SELECT xmin::text FROM step_dependencies
+             UNION ALL SELECT xmin::text FROM outbox) rows",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        transactions, 1,
+        "the submission took more than one transaction"
+    );
+    let dependencies: Vec<(String, String)> = sqlx::query_as(
+        "SELECT s.name::text, d.name::text FROM step_dependencies sd
+         JOIN steps s ON s.id = sd.step_id JOIN steps d ON d.id = sd.depends_on
+         ORDER BY 1, 2",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    let pair = |a: &str, b: &str| (a.to_owned(), b.to_owned());
+    assert_eq!(
+        dependencies,
+        [
+            pair("b", "a"),
+            pair("c", "a"),
+            pair("d", "b"),
+            pair("d", "c")
+        ]
+    );
+    let pending: Vec<i32> = sqlx::query_scalar("SELECT pending_deps FROM steps ORDER BY position")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert_eq!(pending, [0, 1, 1, 2]);
+    let messages: Vec<(String, Uuid, Option<String>)> =
+        sqlx::query_as("SELECT kind, step_id, trace_context::text FROM outbox ORDER BY id")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        messages,
+        [(
+            "step_ready".to_owned(),
+            read.steps[0].id.as_uuid(),
+            wf.trace_context.clone()
+        )],
+        "one step.ready message, for the step without dependencies, in the workflow's trace"
+    );
+
+    let again = submit(&store, &wf).await;
+    assert!(!again.created);
+    assert!(
+        again.detail.is_none(),
+        "an earlier submission is read, not rebuilt"
+    );
+}
+
 #[sqlx::test(migrator = "MIGRATOR")]
 async fn sql_looking_keys_and_names_are_stored_verbatim(pool: PgPool) {
     let store = Store::from_pool(pool);
