@@ -314,6 +314,12 @@ impl Store {
         let digest = wf.digest();
         let id = WorkflowId::new();
         let ids: Vec<StepId> = wf.steps.iter().map(|_| StepId::new()).collect();
+        // each input's digest is both written and answered: hashed once
+        let digests: Vec<InputDigest> = wf
+            .steps
+            .iter()
+            .map(|s| InputDigest::of_json(&s.input))
+            .collect();
         let position = |name: &StepName| {
             wf.steps
                 .iter()
@@ -330,9 +336,9 @@ impl Store {
         let steps: Vec<Value> = wf
             .steps
             .iter()
-            .zip(&ids)
+            .zip(ids.iter().zip(&digests))
             .enumerate()
-            .map(|(i, (s, step))| {
+            .map(|(i, (s, (step, digest)))| {
                 let p = &s.policy;
                 json!({
                     "id": step.as_uuid(),
@@ -341,7 +347,7 @@ impl Store {
                     "adapter": s.adapter,
                     "operation": s.operation,
                     "input": s.input,
-                    "input_digest": InputDigest::of_json(&s.input).as_str(),
+                    "input_digest": digest.as_str(),
                     "lease_ms": millis(p.lease),
                     "renew_every_ms": millis(p.renew_every),
                     "attempt_deadline_ms": millis(p.attempt_deadline),
@@ -428,14 +434,14 @@ impl Store {
         let steps = wf
             .steps
             .iter()
-            .zip(&ids)
-            .map(|(s, step)| StepDetail {
+            .zip(ids.iter().zip(&digests))
+            .map(|(s, (step, digest))| StepDetail {
                 id: *step,
                 name: s.name.as_str().to_owned(),
                 adapter: s.adapter.clone(),
                 operation: s.operation.clone(),
                 state: submitted_state(s),
-                input_digest: InputDigest::of_json(&s.input).as_str().to_owned(),
+                input_digest: digest.as_str().to_owned(),
                 request_identity: None,
                 lease_owner: None,
                 lease_version: LeaseVersion::NEVER_LEASED,
