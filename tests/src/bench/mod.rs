@@ -459,6 +459,7 @@ impl Mode {
 
     fn env(self) -> Vec<(String, String)> {
         vec![
+            (CLIENT_TLS.0.into(), CLIENT_TLS.1.into()),
             (
                 "Z29C_GROUP_COMMIT".into(),
                 (self == Mode::Grouped).to_string(),
@@ -685,19 +686,32 @@ pub async fn z29c_reclaim(held: usize) -> Result<Reclaim> {
     result
 }
 
-/// The server's version and the settings that decide its speed, as one line.
+/// How every system of a run reaches PostgreSQL: without TLS, whatever the server offers. The
+/// peers' Node driver connects in plain text unless told otherwise, while libpq (pgbench) and
+/// sqlx (z29c) encrypt whenever the server has TLS on, as Debian's does: one side paid for TLS
+/// (8 % of PostgreSQL's CPU in a z29c latency run) and the other did not. Every process the
+/// harness starts gets this variable; it names the client's mode, so the server needs no
+/// change. A URL's own `sslmode` would win over it; the harness's URLs carry none.
+pub(crate) const CLIENT_TLS: (&str, &str) = ("PGSSLMODE", "disable");
+
+/// The server's version and the settings that decide its speed, as one line, with how the
+/// systems connect ([`CLIENT_TLS`]).
 pub async fn server_settings() -> Result<String> {
     let pool = sqlx::PgPool::connect(&crate::database_url()).await?;
-    let line = sqlx::query_scalar(
+    let line: String = sqlx::query_scalar(
         "SELECT current_setting('server_version') || ': ' || string_agg(name || '=' || setting, ', ' ORDER BY name)
          FROM pg_settings
          WHERE name IN ('autovacuum', 'fsync', 'synchronous_commit', 'shared_buffers',
-                        'max_connections', 'wal_level', 'checkpoint_timeout', 'max_wal_size')",
+                        'max_connections', 'wal_level', 'checkpoint_timeout', 'max_wal_size',
+                        'ssl')",
     )
     .fetch_one(&pool)
     .await?;
     pool.close().await;
-    Ok(line)
+    Ok(format!(
+        "{line}; every system connects without TLS ({}={})",
+        CLIENT_TLS.0, CLIENT_TLS.1
+    ))
 }
 
 /// `pgbench` at `clients` running a one-row durable update for `seconds`.
@@ -708,6 +722,7 @@ pub async fn pgbench_floor(round: usize, clients: usize, seconds: u64) -> Result
         let url = db.url().split('?').next().unwrap_or_default().to_owned();
         let init = tokio::process::Command::new("pgbench")
             .args(["-i", "-q", "-s", "1", &url])
+            .env(CLIENT_TLS.0, CLIENT_TLS.1)
             .output()
             .await
             .context("pgbench (Debian's postgresql-contrib or postgresql client)")?;
@@ -732,6 +747,7 @@ pub async fn pgbench_floor(round: usize, clients: usize, seconds: u64) -> Result
                 &script.to_string_lossy(),
                 &url,
             ])
+            .env(CLIENT_TLS.0, CLIENT_TLS.1)
             .output()
             .await?;
         let _ = std::fs::remove_file(&script);

@@ -102,6 +102,7 @@ impl Peers {
         cmd.arg(self.dir.join("peer.mjs"))
             .args([peer.name(), mode, &args.to_string()])
             .current_dir(&self.dir)
+            .env(super::CLIENT_TLS.0, super::CLIENT_TLS.1)
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
             .stderr(log)
