@@ -668,7 +668,9 @@ fn checkpoint_detail(held: &Held, cp: Checkpoint) -> Value {
 }
 
 /// Writes the receipt and everything that follows from it, inside the fenced transaction:
-/// the step's end, its dependents' release, the workflow's end, and the outbox messages.
+/// the step's end, its dependents' release, the workflow's end, and the outbox messages. A
+/// direct receipt (`Verification::Direct`, the attempt's own answer) also ends its attempt
+/// here: its checkpoint, result and two checkpoint events are part of the same statement.
 pub(crate) async fn finish_step(
     conn: &mut PgConnection,
     claim: &LeaseClaim,
@@ -682,8 +684,18 @@ pub(crate) async fn finish_step(
         Outcome::Succeeded => "completed",
         Outcome::Failed => "failed",
     };
-    // the receipt, the step's end, its `lease_released` event and the `step_completed` message
-    // are one statement; it also says whether the step has dependents to release
+    // One statement writes the receipt; the attempt's end and its checkpoint events (direct
+    // receipts); the step's end and its `lease_released` event; the `step_completed` message;
+    // and, for a success with nothing to release whose siblings have all completed in this
+    // statement's snapshot, the workflow's completion and its `workflow_changed` message. It
+    // also says whether the step has dependents to release.
+    //
+    // The completion needs no lock taken first: completed steps stay completed, so a snapshot
+    // that sees every sibling completed is right, and the `UPDATE` re-checks `running` on the
+    // newest row version if a cancellation or a deadline got there first. A snapshot that
+    // still sees a sibling open completes nothing; whichever finished last, the relay settles
+    // it when it publishes the `step_completed` message ([`crate::Store::mark_outbox_sent`]).
+    // Events and messages are inserted in their order, so ids follow it.
     let row = sqlx::query(concat!(
         "WITH r AS (
              INSERT INTO step_receipts (id, step_id, workflow_id, attempt_id, lease_version,
@@ -692,6 +704,12 @@ pub(crate) async fn finish_step(
              VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11::outcome, $12,
                      $13::verification)
              RETURNING *
+         ), a AS (
+             UPDATE attempts
+             SET checkpoint = 'receipt_committed', state = $11::text::attempt_state,
+                 response_observed_at = now(), observed_result = $12, adapter_version = $8,
+                 updated_at = now()
+             WHERE $19 AND id = $4
          ), s AS (
              UPDATE steps
              SET state = $14::step_state, lease_owner = NULL, leased_at = NULL,
@@ -701,21 +719,38 @@ pub(crate) async fn finish_step(
          ), e AS (
              INSERT INTO step_events (workflow_id, step_id, attempt_id, lease_version, owner,
                                       kind, detail)
-             SELECT $3, $2, $4, $5, $15, $16,
-                    jsonb_build_object('receipt', r.id, 'verification', $13::text)
-             FROM r
+             SELECT $3, $2, $4, $5, $15, v.kind, v.detail
+             FROM r CROSS JOIN LATERAL (VALUES
+                 (1, $20::text, $21::jsonb),
+                 (2, $20::text, $22::jsonb),
+                 (3, $16::text, jsonb_build_object('receipt', r.id, 'verification', $13::text))
+             ) AS v (ord, kind, detail)
+             WHERE $19 OR v.ord = 3
+             ORDER BY v.ord
+         ), deps AS (
+             SELECT EXISTS (SELECT 1 FROM step_dependencies WHERE depends_on = $2) AS found
+         ), done AS (
+             UPDATE workflows SET state = 'completed', ended_at = now(), updated_at = now()
+             WHERE id = $3 AND state = 'running' AND $11::text = 'succeeded'
+               AND NOT (SELECT found FROM deps)
+               AND NOT EXISTS (SELECT 1 FROM steps WHERE workflow_id = $3 AND id <> $2
+                               AND state <> 'completed')
+             RETURNING trace_context
          ), o AS (
              INSERT INTO outbox (msg_id, kind, workflow_id, step_id, payload, trace_context)
-             VALUES ($17 || '-' || gen_random_uuid()::text, $17, $3, $2,
-                     jsonb_build_object('outcome', $11::text, 'verification', $13::text),
-                     (SELECT trace_context FROM workflows WHERE id = $3))
+             SELECT m.kind || '-' || gen_random_uuid()::text, m.kind, $3, m.step_id, m.payload,
+                    m.trace_context
+             FROM (SELECT 1 AS ord, $17::text AS kind, $2::uuid AS step_id,
+                          jsonb_build_object('outcome', $11::text, 'verification', $13::text)
+                              AS payload,
+                          (SELECT trace_context FROM workflows WHERE id = $3) AS trace_context
+                   UNION ALL
+                   SELECT 2, $23::text, NULL, $24::jsonb, trace_context FROM done) AS m
+             ORDER BY m.ord
          )
          SELECT ",
         receipt_columns!(),
-        ", EXISTS (SELECT 1 FROM step_dependencies WHERE depends_on = $2) AS has_dependents,
-           EXISTS (SELECT 1 FROM steps WHERE workflow_id = $3 AND id <> $2
-                   AND state <> 'completed') AS siblings_open
-         FROM r AS step_receipts"
+        ", (SELECT found FROM deps) AS has_dependents FROM r AS step_receipts"
     ))
     .bind(Uuid::now_v7())
     .bind(step)
@@ -740,18 +775,23 @@ pub(crate) async fn finish_step(
     .bind(EventKind::LeaseReleased.as_str())
     .bind(MessageKind::StepCompleted.as_str())
     .bind(held.checkpoint_version)
+    .bind(verification == Verification::Direct)
+    .bind(EventKind::Checkpoint.as_str())
+    .bind(checkpoint_detail(held, Checkpoint::ResponseObserved))
+    .bind(checkpoint_detail(held, Checkpoint::ReceiptCommitted))
+    .bind(MessageKind::WorkflowChanged.as_str())
+    .bind(json!({ "state": WorkflowState::Completed.as_str() }))
     .fetch_one(&mut *conn)
     .await?;
     let has_dependents: bool = row.try_get("has_dependents")?;
-    let siblings_open: bool = row.try_get("siblings_open")?;
     let receipt = Receipt::try_from(ReceiptRow::from_row(&row)?)?;
-    // A success with nothing to release while other steps of its workflow are still open
-    // changes nothing beyond itself: it takes no workflow lock, so the siblings of a fan-out
+    // A success with nothing to release is done: the statement completed the workflow if
+    // every sibling had, and otherwise took no workflow lock, so the siblings of a fan-out
     // commit side by side. Whether it was the last one after all (siblings finishing at the
     // same moment each see the others open) is settled after COMMIT, by the outbox relay that
     // publishes its `step_completed` message: [`crate::Store::mark_outbox_sent`] completes the
     // workflow once every step has, in the same transaction.
-    if observed.outcome == Outcome::Succeeded && !has_dependents && siblings_open {
+    if observed.outcome == Outcome::Succeeded && !has_dependents {
         return Ok(receipt);
     }
     // Everything else locks the workflow, so the last one sees all the others. A step without
@@ -998,29 +1038,8 @@ pub(crate) async fn commit_receipt_in(
     // the response observed (nothing is committed until the receipt is: a crash here leaves
     // the attempt at `invocation_began`, an unknown outcome)
     faults::crash_if_armed(CrashPoint::after(Checkpoint::ResponseObserved));
-    sqlx::query(
-        "WITH a AS (UPDATE attempts
-                    SET checkpoint = 'receipt_committed', state = $2::text::attempt_state,
-                        response_observed_at = now(), observed_result = $3,
-                        adapter_version = $4, updated_at = now()
-                    WHERE id = $1)
-         INSERT INTO step_events (workflow_id, step_id, attempt_id, lease_version, owner, kind,
-                                  detail)
-         VALUES ($5, $6, $1, $7, $8, $9, $10), ($5, $6, $1, $7, $8, $9, $11)",
-    )
-    .bind(claim.attempt.as_uuid())
-    .bind(observed.outcome.as_str())
-    .bind(&observed.result)
-    .bind(&observed.adapter_version)
-    .bind(held.workflow)
-    .bind(claim.step.as_uuid())
-    .bind(claim.version.get())
-    .bind(claim.owner.as_str())
-    .bind(EventKind::Checkpoint.as_str())
-    .bind(checkpoint_detail(&held, Checkpoint::ResponseObserved))
-    .bind(checkpoint_detail(&held, Checkpoint::ReceiptCommitted))
-    .execute(&mut *conn)
-    .await?;
+    // the attempt's end and its checkpoint events are written with the receipt, in one
+    // statement (a direct receipt)
     let receipt = finish_step(
         &mut *conn,
         claim,
