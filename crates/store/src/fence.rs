@@ -63,6 +63,14 @@ fn locks_only(write: FencedWrite) -> bool {
     )
 }
 
+/// The attempt a lease must still name: an execution lease's own; a recovery lease names none.
+fn fenced_attempt(claim: &LeaseClaim) -> Option<Uuid> {
+    match claim.kind {
+        LeaseKind::Execution => Some(claim.attempt.as_uuid()),
+        LeaseKind::Recovery => None,
+    }
+}
+
 /// Fences `write` under `claim` inside the caller's transaction. On success the step row is
 /// locked until the transaction ends; on refusal the caller must let the transaction roll back.
 pub(crate) async fn fence(
@@ -70,10 +78,7 @@ pub(crate) async fn fence(
     claim: &LeaseClaim,
     write: FencedWrite,
 ) -> Result<Held> {
-    let attempt = match claim.kind {
-        LeaseKind::Execution => Some(claim.attempt.as_uuid()),
-        LeaseKind::Recovery => None,
-    };
+    let attempt = fenced_attempt(claim);
     // A write that changes the step's row anyway (its end, a release) only locks it here;
     // a checkpoint that leaves the step leased records its version here. Either way the
     // lease is matched on the row's newest version once the lock is held.
@@ -111,7 +116,67 @@ pub(crate) async fn fence(
         .bind(i64::from(matches!(write, FencedWrite::Advance(_))))
         .fetch_optional(&mut *conn)
         .await?;
+    held(conn, claim, write, row).await
+}
 
+/// [`fence`] for *invocation began*, with the attempt's checkpoint and its event written by
+/// the same statement (one round trip instead of two). They are written before core's rule
+/// has looked at the step, so on any refusal the caller must let the transaction roll back,
+/// as after every fence; the statement only writes where the lease matched.
+pub(crate) async fn fence_invocation_began(
+    conn: &mut PgConnection,
+    claim: &LeaseClaim,
+    event_kind: &str,
+) -> Result<Held> {
+    let write = FencedWrite::Advance(Checkpoint::InvocationBegan);
+    let row: Option<HeldRow> = sqlx::query_as(
+        "WITH f AS (
+             UPDATE steps s
+             SET checkpoint_version = s.checkpoint_version + 1, updated_at = now()
+             WHERE s.id = $1 AND s.lease_version = $2 AND s.lease_owner = $3
+               AND s.state = $4::step_state AND s.expires_at > now()
+               AND ($5::uuid IS NULL OR s.current_attempt_id = $5)
+             RETURNING s.workflow_id, s.checkpoint_version, s.request_identity, s.input_digest,
+                       s.adapter,
+                       (SELECT w.state::text FROM workflows w WHERE w.id = s.workflow_id)
+                           AS workflow_state,
+                       (SELECT a.checkpoint::text FROM attempts a
+                        WHERE a.id = s.current_attempt_id) AS checkpoint
+         ), a AS (
+             UPDATE attempts SET checkpoint = $6::checkpoint, invocation_began_at = now(),
+                                 updated_at = now()
+             WHERE id = $8 AND EXISTS (SELECT 1 FROM f)
+         ), e AS (
+             INSERT INTO step_events (workflow_id, step_id, attempt_id, lease_version, owner,
+                                      kind, detail)
+             SELECT f.workflow_id, $1, $8, $2, $3, $7,
+                    jsonb_build_object('checkpoint', $6::text,
+                                       'checkpoint_version', f.checkpoint_version)
+             FROM f
+         )
+         SELECT * FROM f",
+    )
+    .bind(claim.step.as_uuid())
+    .bind(claim.version.get())
+    .bind(claim.owner.as_str())
+    .bind(claim.kind.step_state().as_str())
+    .bind(fenced_attempt(claim))
+    .bind(Checkpoint::InvocationBegan.as_str())
+    .bind(event_kind)
+    .bind(claim.attempt.as_uuid())
+    .fetch_optional(&mut *conn)
+    .await?;
+    held(conn, claim, write, row).await
+}
+
+/// What a fenced statement's row says: the lease held, or why not (read back when no row
+/// matched); then what remains of the rule (workflow state, checkpoint order), which is core's.
+async fn held(
+    conn: &mut PgConnection,
+    claim: &LeaseClaim,
+    write: FencedWrite,
+    row: Option<HeldRow>,
+) -> Result<Held> {
     let Some(row) = row else {
         return Err(StoreError::Fenced(diagnose(conn, claim, write).await?));
     };
@@ -124,7 +189,6 @@ pub(crate) async fn fence(
         input_digest: row.input_digest,
         adapter: row.adapter,
     };
-    // the lease matched; what remains of the rule (workflow state, checkpoint order) is core's
     let view = LeaseView {
         state: claim.kind.step_state(),
         owner: Some(claim.owner.clone()),

@@ -967,35 +967,15 @@ pub(crate) async fn begin_invocation_in(
     conn: &mut PgConnection,
     claim: &LeaseClaim,
 ) -> Result<i64> {
-    let held = fence::fence(
-        &mut *conn,
-        claim,
-        FencedWrite::Advance(Checkpoint::InvocationBegan),
-    )
-    .await?;
+    // the fence, the attempt's checkpoint and its event are one statement
+    let held =
+        fence::fence_invocation_began(&mut *conn, claim, EventKind::Checkpoint.as_str()).await?;
     if held.checkpoint < Some(Checkpoint::RequestIdentityPersisted) {
         return Err(StoreError::invalid(
             "checkpoint",
             "the request identity must be persisted before invocation begins",
         ));
     }
-    sqlx::query(
-        "WITH a AS (UPDATE attempts SET checkpoint = 'invocation_began',
-                        invocation_began_at = now(), updated_at = now()
-                    WHERE id = $1)
-         INSERT INTO step_events (workflow_id, step_id, attempt_id, lease_version, owner, kind,
-                                  detail)
-         VALUES ($2, $3, $1, $4, $5, $6, $7)",
-    )
-    .bind(claim.attempt.as_uuid())
-    .bind(held.workflow)
-    .bind(claim.step.as_uuid())
-    .bind(claim.version.get())
-    .bind(claim.owner.as_str())
-    .bind(EventKind::Checkpoint.as_str())
-    .bind(checkpoint_detail(&held, Checkpoint::InvocationBegan))
-    .execute(&mut *conn)
-    .await?;
     faults::crash_if_armed(CrashPoint::before(Checkpoint::InvocationBegan));
     Ok(held.checkpoint_version)
 }

@@ -368,14 +368,173 @@ async fn receipt_needs_an_invocation_that_began(pool: PgPool) {
 
 #[sqlx::test(migrator = "MIGRATOR")]
 async fn checkpoints_only_move_forward(pool: PgPool) {
-    let store = Store::from_pool(pool);
+    let store = Store::from_pool(pool.clone());
     let c = claimed_single(&store, "k1", "worker-a").await;
     invoke(&store, &c).await;
+    let state = || async {
+        sqlx::query_as::<_, (i64, Option<chrono::DateTime<chrono::Utc>>, i64)>(
+            "SELECT s.checkpoint_version, a.invocation_began_at,
+                    (SELECT count(*) FROM step_events e
+                     WHERE e.step_id = s.id AND e.detail->>'checkpoint' = 'invocation_began')
+             FROM steps s JOIN attempts a ON a.id = s.current_attempt_id WHERE s.id = $1",
+        )
+        .bind(c.lease.step.as_uuid())
+        .fetch_one(&pool)
+        .await
+        .unwrap()
+    };
+    let before = state().await;
+    assert_eq!(before.2, 1, "one invocation_began event");
+    // The lease matches, so the fenced statement writes the attempt's checkpoint and its event
+    // before core's rule refuses the order: the refusal rolls all of it back.
     assert_eq!(
         fenced(store.begin_invocation(&c.lease).await),
         FenceReason::CheckpointNotForward {
             durable: Checkpoint::InvocationBegan
         }
+    );
+    assert_eq!(
+        state().await,
+        before,
+        "a refused checkpoint leaves nothing behind"
+    );
+}
+
+#[sqlx::test(migrator = "MIGRATOR")]
+async fn invocation_began_is_one_statement_with_its_attempt_and_event(pool: PgPool) {
+    let store = Store::from_pool(pool.clone());
+    let c = claimed_single(&store, "k1", "worker-a").await;
+    let version = store.begin_invocation(&c.lease).await.unwrap();
+    assert_eq!(version, c.checkpoint_version + 1);
+    let (checkpoint, began, step_version, same_xact): (String, bool, i64, bool) = sqlx::query_as(
+        "SELECT a.checkpoint::text, a.invocation_began_at IS NOT NULL, s.checkpoint_version,
+                s.xmin = a.xmin AND a.xmin = e.xmin
+         FROM steps s JOIN attempts a ON a.id = s.current_attempt_id
+         JOIN step_events e ON e.step_id = s.id AND e.detail->>'checkpoint' = 'invocation_began'
+         WHERE s.id = $1",
+    )
+    .bind(c.lease.step.as_uuid())
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(checkpoint, "invocation_began");
+    assert!(began);
+    assert_eq!(step_version, version);
+    assert!(
+        same_xact,
+        "step, attempt and event were written by one transaction"
+    );
+    let detail: serde_json::Value = sqlx::query_scalar(
+        "SELECT detail FROM step_events
+         WHERE step_id = $1 AND kind = 'checkpoint' AND attempt_id = $2 AND owner = 'worker-a'
+           AND lease_version = $3 AND detail->>'checkpoint' = 'invocation_began'",
+    )
+    .bind(c.lease.step.as_uuid())
+    .bind(c.lease.attempt.as_uuid())
+    .bind(c.lease.version.get())
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        detail,
+        json!({ "checkpoint": "invocation_began", "checkpoint_version": version })
+    );
+}
+
+#[sqlx::test(migrator = "MIGRATOR")]
+async fn a_direct_receipt_ends_its_attempt_step_and_workflow_in_one_statement_in_order(
+    pool: PgPool,
+) {
+    let store = Store::from_pool(pool.clone());
+    let c = claimed_single(&store, "k1", "worker-a").await;
+    invoke(&store, &c).await;
+    let receipt = store
+        .commit_receipt(&c.lease, &success(&c, "dest-1"))
+        .await
+        .unwrap();
+    // the attempt's end, as the receipt records it
+    let (checkpoint, state, observed_at, result, adapter_version): (
+        String,
+        String,
+        bool,
+        serde_json::Value,
+        Option<String>,
+    ) = sqlx::query_as(
+        "SELECT checkpoint::text, state::text, response_observed_at IS NOT NULL,
+                observed_result, adapter_version
+         FROM attempts WHERE id = $1",
+    )
+    .bind(c.lease.attempt.as_uuid())
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        (checkpoint.as_str(), state.as_str(), observed_at),
+        ("receipt_committed", "succeeded", true)
+    );
+    assert_eq!(result, json!({ "status": 201 }));
+    assert_eq!(adapter_version.as_deref(), Some("http/1"));
+    // the step's last events, in their order
+    let events: Vec<(String, serde_json::Value)> = sqlx::query_as(
+        "SELECT kind, detail FROM step_events WHERE step_id = $1 ORDER BY id DESC LIMIT 3",
+    )
+    .bind(c.lease.step.as_uuid())
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    // invocation began advanced the claim's version by one, the receipt by one more
+    let version = c.checkpoint_version + 2;
+    assert_eq!(
+        events.into_iter().rev().collect::<Vec<_>>(),
+        vec![
+            (
+                "checkpoint".to_owned(),
+                json!({ "checkpoint": "response_observed", "checkpoint_version": version })
+            ),
+            (
+                "checkpoint".to_owned(),
+                json!({ "checkpoint": "receipt_committed", "checkpoint_version": version })
+            ),
+            (
+                "lease_released".to_owned(),
+                json!({ "receipt": receipt.id, "verification": "direct" })
+            ),
+        ]
+    );
+    // its messages, in their order, and the workflow's end
+    let kinds: Vec<String> = sqlx::query_scalar(
+        "SELECT kind FROM outbox WHERE workflow_id = $1 AND kind <> 'step_ready' ORDER BY id",
+    )
+    .bind(c.workflow.as_uuid())
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(kinds, ["step_completed", "workflow_changed"]);
+    assert_eq!(
+        store.workflow(c.workflow).await.unwrap().state,
+        WorkflowState::Completed
+    );
+    // all of it one transaction
+    let xacts: i64 = sqlx::query_scalar(
+        "SELECT count(DISTINCT x) FROM (
+             SELECT xmin::text AS x FROM step_receipts WHERE step_id = $1
+             UNION ALL SELECT xmin::text FROM attempts WHERE id = $2
+             UNION ALL SELECT xmin::text FROM steps WHERE id = $1
+             UNION ALL SELECT xmin::text FROM workflows WHERE id = $3
+             UNION ALL SELECT xmin::text FROM outbox WHERE workflow_id = $3
+                                                      AND kind <> 'step_ready'
+             UNION ALL (SELECT xmin::text FROM step_events WHERE step_id = $1
+                        ORDER BY id DESC LIMIT 3)) t",
+    )
+    .bind(c.lease.step.as_uuid())
+    .bind(c.lease.attempt.as_uuid())
+    .bind(c.workflow.as_uuid())
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        xacts, 1,
+        "the receipt and everything it ends commit together"
     );
 }
 
