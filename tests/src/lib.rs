@@ -31,6 +31,21 @@ pub fn database_url() -> String {
         .unwrap_or_else(|_| "postgres://postgres:postgres@127.0.0.1:5432/postgres".into())
 }
 
+/// `url` with its `sslmode` set to `mode` (`disable`, `prefer`, …), whatever it named before.
+pub fn with_sslmode(url: &str, mode: &str) -> Result<String> {
+    let mut u = reqwest::Url::parse(url)?;
+    let kept: Vec<(String, String)> = u
+        .query_pairs()
+        .filter(|(k, _)| k != "sslmode")
+        .map(|(k, v)| (k.into_owned(), v.into_owned()))
+        .collect();
+    u.query_pairs_mut()
+        .clear()
+        .extend_pairs(kept)
+        .append_pair("sslmode", mode);
+    Ok(u.to_string())
+}
+
 /// Makes every database this process creates from now on live on `admin_url`'s server (the
 /// benchmark's own PostgreSQL). Only the first call counts.
 pub fn use_server(admin_url: String) {

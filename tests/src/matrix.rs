@@ -1091,16 +1091,7 @@ fn via_proxy(url: &str, port: u16) -> Result<String> {
     u.set_host(Some("127.0.0.1"))?;
     u.set_port(Some(port))
         .map_err(|()| anyhow::anyhow!("cannot set a port on {url}"))?;
-    let kept: Vec<(String, String)> = u
-        .query_pairs()
-        .filter(|(k, _)| k != "sslmode")
-        .map(|(k, v)| (k.into_owned(), v.into_owned()))
-        .collect();
-    u.query_pairs_mut()
-        .clear()
-        .extend_pairs(kept)
-        .append_pair("sslmode", "disable");
-    Ok(u.to_string())
+    crate::with_sslmode(u.as_str(), "disable")
 }
 
 /// Fails unless the `z29c` binary beside the harness was built with its fault points (a

@@ -81,7 +81,7 @@ pub async fn z29c_growth(
     drain: usize,
     say: &dyn Fn(&str),
 ) -> Result<Growth> {
-    let mut cluster = Cluster::start_with(topology(0, Mode::Plain)).await?;
+    let mut cluster = Cluster::start_with(topology(0, Mode::Plain)?).await?;
     let result = async {
         cluster
             .set_faults("bench", serde_json::json!({ "ledger_off": true }))

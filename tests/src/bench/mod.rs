@@ -355,7 +355,7 @@ pub async fn z29c_drain(
         1 => format!("{} 1-step", mode.name()),
         _ => mode.name().to_owned(),
     };
-    let mut cluster = Cluster::start_with(topology(0, mode)).await?;
+    let mut cluster = Cluster::start_with(topology(0, mode)?).await?;
     let result = async {
         let pool = cluster.db.pool(2).await?;
         // no-op destination work: the destination answers without its own ledger commit
@@ -459,7 +459,6 @@ impl Mode {
 
     fn env(self) -> Vec<(String, String)> {
         vec![
-            (CLIENT_TLS.0.into(), CLIENT_TLS.1.into()),
             (
                 "Z29C_GROUP_COMMIT".into(),
                 (self == Mode::Grouped).to_string(),
@@ -472,16 +471,18 @@ impl Mode {
     }
 }
 
-pub(crate) fn topology(recoveries: usize, mode: Mode) -> Topology {
-    Topology {
+pub(crate) fn topology(recoveries: usize, mode: Mode) -> Result<Topology> {
+    Ok(Topology {
         gateways: 1,
         executors: 0,
         recoveries,
         // far above any concurrency measured: the limit never binds, and its slots are few
         permit_limit: 4_096,
         env: mode.env(),
+        // the services' database URL says `sslmode` as the harness's pools have it
+        postgres_admin_url: Some(crate::with_sslmode(&crate::database_url(), CLIENT_TLS.1)?),
         ..Topology::default()
-    }
+    })
 }
 
 pub(crate) async fn z29c_cluster(
@@ -489,7 +490,7 @@ pub(crate) async fn z29c_cluster(
     recoveries: usize,
     mode: Mode,
 ) -> Result<Cluster> {
-    let mut cluster = Cluster::start_with(topology(recoveries, mode)).await?;
+    let mut cluster = Cluster::start_with(topology(recoveries, mode)?).await?;
     cluster
         .set_faults("bench", serde_json::json!({ "ledger_off": true }))
         .await?;
@@ -689,9 +690,10 @@ pub async fn z29c_reclaim(held: usize) -> Result<Reclaim> {
 /// How every system of a run reaches PostgreSQL: without TLS, whatever the server offers. The
 /// peers' Node driver connects in plain text unless told otherwise, while libpq (pgbench) and
 /// sqlx (z29c) encrypt whenever the server has TLS on, as Debian's does: one side paid for TLS
-/// (8 % of PostgreSQL's CPU in a z29c latency run) and the other did not. Every process the
-/// harness starts gets this variable; it names the client's mode, so the server needs no
-/// change. A URL's own `sslmode` would win over it; the harness's URLs carry none.
+/// (8 % of PostgreSQL's CPU in a z29c latency run) and the other did not. pgbench and the
+/// peers get this variable; z29c's services get it as their URL's `sslmode`
+/// ([`topology`]: the database URLs the harness makes name their `sslmode`, which wins over
+/// the variable).
 pub(crate) const CLIENT_TLS: (&str, &str) = ("PGSSLMODE", "disable");
 
 /// The server's version and the settings that decide its speed, as one line, with how the
