@@ -63,6 +63,26 @@ fn locks_only(write: FencedWrite) -> bool {
     )
 }
 
+/// The fenced update of the step row: it matches only while the presented lease is current by
+/// PostgreSQL's clock (`$1` step, `$2` lease version, `$3` owner, `$4` leased state, `$5` the
+/// attempt or NULL) and advances the checkpoint version by `$6`. Written once for [`fence`] and
+/// [`fence_invocation_began`], which runs it as a CTE.
+macro_rules! fenced_update {
+    () => {
+        "UPDATE steps s
+         SET checkpoint_version = s.checkpoint_version + $6, updated_at = now()
+         WHERE s.id = $1 AND s.lease_version = $2 AND s.lease_owner = $3
+           AND s.state = $4::step_state AND s.expires_at > now()
+           AND ($5::uuid IS NULL OR s.current_attempt_id = $5)
+         RETURNING s.workflow_id, s.checkpoint_version, s.request_identity, s.input_digest,
+                   s.adapter,
+                   (SELECT w.state::text FROM workflows w WHERE w.id = s.workflow_id)
+                       AS workflow_state,
+                   (SELECT a.checkpoint::text FROM attempts a WHERE a.id = s.current_attempt_id)
+                       AS checkpoint"
+    };
+}
+
 /// The attempt a lease must still name: an execution lease's own; a recovery lease names none.
 fn fenced_attempt(claim: &LeaseClaim) -> Option<Uuid> {
     match claim.kind {
@@ -95,17 +115,7 @@ pub(crate) async fn fence(
            AND ($5::uuid IS NULL OR s.current_attempt_id = $5)
          FOR NO KEY UPDATE OF s"
     } else {
-        "UPDATE steps s
-         SET checkpoint_version = s.checkpoint_version + $6, updated_at = now()
-         WHERE s.id = $1 AND s.lease_version = $2 AND s.lease_owner = $3
-           AND s.state = $4::step_state AND s.expires_at > now()
-           AND ($5::uuid IS NULL OR s.current_attempt_id = $5)
-         RETURNING s.workflow_id, s.checkpoint_version, s.request_identity, s.input_digest,
-                   s.adapter,
-                   (SELECT w.state::text FROM workflows w WHERE w.id = s.workflow_id)
-                       AS workflow_state,
-                   (SELECT a.checkpoint::text FROM attempts a WHERE a.id = s.current_attempt_id)
-                       AS checkpoint"
+        fenced_update!()
     };
     let row: Option<HeldRow> = sqlx::query_as(sql)
         .bind(claim.step.as_uuid())
@@ -129,38 +139,29 @@ pub(crate) async fn fence_invocation_began(
     event_kind: &str,
 ) -> Result<Held> {
     let write = FencedWrite::Advance(Checkpoint::InvocationBegan);
-    let row: Option<HeldRow> = sqlx::query_as(
-        "WITH f AS (
-             UPDATE steps s
-             SET checkpoint_version = s.checkpoint_version + 1, updated_at = now()
-             WHERE s.id = $1 AND s.lease_version = $2 AND s.lease_owner = $3
-               AND s.state = $4::step_state AND s.expires_at > now()
-               AND ($5::uuid IS NULL OR s.current_attempt_id = $5)
-             RETURNING s.workflow_id, s.checkpoint_version, s.request_identity, s.input_digest,
-                       s.adapter,
-                       (SELECT w.state::text FROM workflows w WHERE w.id = s.workflow_id)
-                           AS workflow_state,
-                       (SELECT a.checkpoint::text FROM attempts a
-                        WHERE a.id = s.current_attempt_id) AS checkpoint
-         ), a AS (
-             UPDATE attempts SET checkpoint = $6::checkpoint, invocation_began_at = now(),
-                                 updated_at = now()
-             WHERE id = $8 AND EXISTS (SELECT 1 FROM f)
-         ), e AS (
-             INSERT INTO step_events (workflow_id, step_id, attempt_id, lease_version, owner,
-                                      kind, detail)
-             SELECT f.workflow_id, $1, $8, $2, $3, $7,
-                    jsonb_build_object('checkpoint', $6::text,
-                                       'checkpoint_version', f.checkpoint_version)
-             FROM f
-         )
-         SELECT * FROM f",
-    )
+    let row: Option<HeldRow> = sqlx::query_as(concat!(
+        "WITH f AS (",
+        fenced_update!(),
+        "), a AS (
+                 UPDATE attempts SET checkpoint = $7::checkpoint, invocation_began_at = now(),
+                                     updated_at = now()
+                 WHERE id = $9 AND EXISTS (SELECT 1 FROM f)
+             ), e AS (
+                 INSERT INTO step_events (workflow_id, step_id, attempt_id, lease_version,
+                                          owner, kind, detail)
+                 SELECT f.workflow_id, $1, $9, $2, $3, $8,
+                        jsonb_build_object('checkpoint', $7::text,
+                                           'checkpoint_version', f.checkpoint_version)
+                 FROM f
+             )
+             SELECT * FROM f"
+    ))
     .bind(claim.step.as_uuid())
     .bind(claim.version.get())
     .bind(claim.owner.as_str())
     .bind(claim.kind.step_state().as_str())
     .bind(fenced_attempt(claim))
+    .bind(1_i64)
     .bind(Checkpoint::InvocationBegan.as_str())
     .bind(event_kind)
     .bind(claim.attempt.as_uuid())
