@@ -115,8 +115,10 @@ impl Store {
     /// (`synchronous_commit = off`, one round trip with the BEGIN), for bookkeeping whose loss
     /// in a server crash is safe: the permit's release (a lost one leaves the permit counting
     /// until its hold runs out) and the outbox relay's marks (a lost one republishes under the
-    /// same `Nats-Msg-Id`, which JetStream drops). A later durable COMMIT on the server flushes
-    /// it too. Never for a lease, a checkpoint or a receipt.
+    /// same `Nats-Msg-Id`, which JetStream drops), and an executor's claim (see
+    /// [`Store::claim`]: a lost one is a lease that never existed, and the first durable write
+    /// under it flushes it). A later durable COMMIT on the server flushes it too. Never for a
+    /// checkpoint, a receipt, a renewal or anything a client is told.
     pub(crate) async fn begin_relaxed(&self) -> Result<sqlx::Transaction<'static, sqlx::Postgres>> {
         self.begin_in_task(Some("BEGIN; SET LOCAL synchronous_commit = off"))
             .await

@@ -142,6 +142,85 @@ async fn renewal_carries_the_latest_checkpoint_version(pool: PgPool) {
     store.renew(&c.lease, v2).await.unwrap();
 }
 
+/// A claim commits without waiting for the disk, so a server crash can lose it after its
+/// executor has read it. The crash leaves the step as it was before the claim; the same
+/// executor may then claim it again and get the same lease version. The lost lease must still
+/// be refused everywhere, as an expired one is: the fence names the attempt, whose id no claim
+/// repeats.
+#[sqlx::test(migrator = "MIGRATOR")]
+async fn a_claim_lost_in_a_crash_fences_like_an_expired_lease(pool: PgPool) {
+    let store = Store::from_pool(pool.clone());
+    submit(&store, &workflow("lost", vec![step("only", &[])])).await;
+    let before: serde_json::Value = sqlx::query_scalar("SELECT to_jsonb(s) FROM steps s")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    let lost = store.claim(&owner("worker-a"), 1).await.unwrap().remove(0);
+    // what recovery from the log leaves when the claim's commit never reached the disk
+    let mut tx = pool.begin().await.unwrap();
+    // a crash is not a DELETE: the append-only guards (triggers) stay out of it
+    sqlx::query("SET LOCAL session_replication_role = replica")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    for sql in [
+        "DELETE FROM step_events WHERE attempt_id = $1",
+        "DELETE FROM attempts WHERE id = $1",
+    ] {
+        sqlx::query(sql)
+            .bind(lost.lease.attempt.as_uuid())
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+    }
+    let restored = sqlx::query(
+        "UPDATE steps s SET (state, lease_owner, lease_version, leased_at, expires_at,
+                 attempt_deadline, current_attempt_id, attempts_made, request_identity,
+                 checkpoint_version, updated_at)
+             = (b.state, b.lease_owner, b.lease_version, b.leased_at, b.expires_at,
+                b.attempt_deadline, b.current_attempt_id, b.attempts_made, b.request_identity,
+                b.checkpoint_version, b.updated_at)
+         FROM jsonb_populate_record(NULL::steps, $1) b WHERE s.id = b.id",
+    )
+    .bind(&before)
+    .execute(&mut *tx)
+    .await
+    .unwrap();
+    assert_eq!(restored.rows_affected(), 1);
+    tx.commit().await.unwrap();
+
+    let again = store.claim(&owner("worker-a"), 1).await.unwrap().remove(0);
+    assert_eq!(
+        (again.lease.step, again.lease.version, &again.lease.owner),
+        (lost.lease.step, lost.lease.version, &lost.lease.owner),
+        "the same step, version and owner: only the attempt tells the two leases apart"
+    );
+    assert_ne!(again.lease.attempt, lost.lease.attempt);
+    assert_eq!(
+        fenced(store.begin_invocation(&lost.lease).await),
+        FenceReason::NotCurrentAttempt
+    );
+    assert_eq!(
+        fenced(store.renew(&lost.lease, lost.checkpoint_version).await),
+        FenceReason::NotCurrentAttempt
+    );
+    // the current lease is untouched by the refusals and goes on
+    store.begin_invocation(&again.lease).await.unwrap();
+    let commit = store
+        .commit_receipt(&lost.lease, &success(&lost, "from-the-lost-lease"))
+        .await;
+    assert_eq!(fenced(commit), FenceReason::NotCurrentAttempt);
+    store
+        .commit_receipt(&again.lease, &success(&again, "r"))
+        .await
+        .unwrap();
+    let receipts: Vec<String> = sqlx::query_scalar("SELECT external_reference FROM step_receipts")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert_eq!(receipts, vec!["r".to_owned()]);
+}
+
 #[sqlx::test(migrator = "MIGRATOR")]
 async fn another_owner_cannot_write_under_a_lease(pool: PgPool) {
     let store = Store::from_pool(pool);
