@@ -220,6 +220,11 @@ struct BenchArgs {
     /// Open-loop loads, as fractions of each system's drain rate.
     #[arg(long, value_delimiter = ',', default_values_t = [0.5f64, 0.8])]
     loads: Vec<f64>,
+    /// Offer every system this many jobs per second in the open-loop part, instead of
+    /// `--loads` times its own drain rate (no drain is run to scale by): for comparing two
+    /// builds at one load, when their drains differ by the machine's noise.
+    #[arg(long, value_name = "JOBS_PER_SECOND")]
+    rate: Option<f64>,
     /// Open-loop run length, seconds, counted after the warm-up.
     #[arg(long, default_value_t = 20)]
     latency_seconds: u64,
@@ -306,6 +311,9 @@ async fn bench_on(a: BenchArgs) -> Result<()> {
     if let Some(l) = a.loads.iter().find(|l| !(**l > 0.0 && **l <= 1.0)) {
         bail!("--loads: {l} is not a fraction in (0, 1]");
     }
+    if let Some(r) = a.rate.filter(|r| !(r.is_finite() && *r >= 1.0)) {
+        bail!("--rate: {r} is not a number of jobs per second of at least 1");
+    }
     let dir = a
         .out
         .parent()
@@ -381,30 +389,40 @@ async fn bench_on(a: BenchArgs) -> Result<()> {
     }
     if part("latency") {
         let c = a.concurrency.iter().copied().max().unwrap_or(8);
-        for &load in &a.loads {
+        // a fixed rate is one load for every system; its fraction of a drain is not known (0)
+        let loads = match a.rate {
+            Some(_) => vec![0.0],
+            None => a.loads.clone(),
+        };
+        for &load in &loads {
             for system in &a.systems {
-                // the offered rate is a fraction of the system's own drain rate in this run, of
-                // the same shape as the load: one job per enqueue. For z29c that is a drain of
-                // one-step workflows (each step pays for its workflow's submission and
-                // completion too), measured here once per system
-                let mut scale_by = system.clone();
-                if let Some(mode) = bench::Mode::parse(system) {
-                    scale_by = format!("{system} 1-step");
-                    if report.drain_median(&scale_by, c).is_none() {
-                        let n = a.steps.min(ONE_STEP_DRAIN);
-                        let d = bench::z29c_drain(1, n, 1, c, a.cap, mode).await?;
-                        line(&d);
-                        report.drains.push(d);
-                        save(&report)?;
+                let rate = match a.rate {
+                    Some(rate) => rate,
+                    None => {
+                        // the offered rate is a fraction of the system's own drain rate in this run, of
+                        // the same shape as the load: one job per enqueue. For z29c that is a drain of
+                        // one-step workflows (each step pays for its workflow's submission and
+                        // completion too), measured here once per system
+                        let mut scale_by = system.clone();
+                        if let Some(mode) = bench::Mode::parse(system) {
+                            scale_by = format!("{system} 1-step");
+                            if report.drain_median(&scale_by, c).is_none() {
+                                let n = a.steps.min(ONE_STEP_DRAIN);
+                                let d = bench::z29c_drain(1, n, 1, c, a.cap, mode).await?;
+                                line(&d);
+                                report.drains.push(d);
+                                save(&report)?;
+                            }
+                        }
+                        let Some(drain) = report.drain_median(&scale_by, c) else {
+                            say(&format!(
+                                "latency: no {system} drain at concurrency {c} to scale the load by; skipped"
+                            ));
+                            continue;
+                        };
+                        (drain.steps_per_second * load).max(1.0)
                     }
-                }
-                let Some(drain) = report.drain_median(&scale_by, c) else {
-                    say(&format!(
-                        "latency: no {system} drain at concurrency {c} to scale the load by; skipped"
-                    ));
-                    continue;
                 };
-                let rate = (drain.steps_per_second * load).max(1.0);
                 let l = match bench::Mode::parse(system) {
                     Some(mode) => {
                         bench::z29c_latency(
@@ -438,8 +456,12 @@ async fn bench_on(a: BenchArgs) -> Result<()> {
                     }
                 };
                 say(&format!(
-                    "latency · {system} at {:.0}% ({rate:.0}/s): p50 {:.1} ms, p99 {:.1} ms, p99.9 {:.1} ms ({} of {} started)",
-                    load * 100.0,
+                    "latency · {system} at {} ({rate:.0}/s): p50 {:.1} ms, p99 {:.1} ms, p99.9 {:.1} ms ({} of {} started)",
+                    if a.rate.is_some() {
+                        "a fixed rate".to_owned()
+                    } else {
+                        format!("{:.0}%", load * 100.0)
+                    },
                     l.p50_ms,
                     l.p99_ms,
                     l.p999_ms,
