@@ -76,7 +76,7 @@ macro_rules! outbox_claim_sql {
     () => {
         "WITH picked AS (
              SELECT id FROM outbox
-             WHERE sent_at IS NULL AND (claimed_until IS NULL OR claimed_until <= now())
+             WHERE claimed_until IS NULL OR claimed_until <= now()
              ORDER BY id LIMIT $2
              FOR UPDATE SKIP LOCKED
          )
@@ -163,11 +163,9 @@ impl Store {
 
     /// How many messages wait to be published.
     pub async fn outbox_backlog(&self) -> Result<i64> {
-        Ok(
-            sqlx::query_scalar("SELECT count(*) FROM outbox WHERE sent_at IS NULL")
-                .fetch_one(&self.pool)
-                .await?,
-        )
+        Ok(sqlx::query_scalar("SELECT count(*) FROM outbox")
+            .fetch_one(&self.pool)
+            .await?)
     }
 }
 
@@ -195,7 +193,7 @@ async fn claim_in(
 async fn mark_sent_in(conn: &mut PgConnection, ids: &[i64]) -> Result<u64> {
     Ok(sqlx::query_scalar(
         "WITH sent AS (
-             DELETE FROM outbox WHERE id = ANY($1) AND sent_at IS NULL
+             DELETE FROM outbox WHERE id = ANY($1)
              RETURNING workflow_id, kind
          ), done AS (
              UPDATE workflows w

@@ -115,7 +115,7 @@ fn scans_of(node: &serde_json::Value, out: &mut Vec<(String, String, String, i64
     }
 }
 
-/// A relay's claim walks the unsent index from its head and updates what it took by key, even
+/// A relay's claim walks the primary key from its head and updates what it took by key, even
 /// when the outbox is a few live rows in thousands of pages of rows published since its last
 /// vacuum. Left to the statistics, the planner chose at times to read the whole table and sort
 /// it (37–123 ms per claim in a steady run), or to bitmap-scan it (as it does here, without
@@ -123,7 +123,7 @@ fn scans_of(node: &serde_json::Value, out: &mut Vec<(String, String, String, i64
 /// Which one it picks depends on statistics a test cannot pin, so this checks that the claim's
 /// plan has none of them.
 #[sqlx::test(migrator = "MIGRATOR")]
-async fn outbox_claims_walk_the_unsent_index_however_bloated_the_table(pool: PgPool) {
+async fn outbox_claims_walk_the_primary_key_however_bloated_the_table(pool: PgPool) {
     let store = Store::from_pool(pool.clone());
     submit(&store, &workflow("w", vec![step("a", &[])])).await;
     // 60,000 messages claimed and published (deleted), 10 still waiting, no vacuum since
@@ -164,10 +164,8 @@ async fn outbox_claims_walk_the_unsent_index_however_bloated_the_table(pool: PgP
         "the outbox is read by index only: {scans:?}"
     );
     assert!(
-        outbox
-            .iter()
-            .any(|(_, _, index, _)| index == "outbox_unsent"),
-        "the claim walks outbox_unsent: {scans:?}"
+        outbox.iter().any(|(_, _, index, _)| index == "outbox_pkey"),
+        "the claim walks the primary key: {scans:?}"
     );
     let text = plan.to_string();
     for node in ["\"Sort\"", "\"Merge Join\"", "\"Hash Join\""] {
