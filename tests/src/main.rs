@@ -399,10 +399,10 @@ async fn bench_on(a: BenchArgs) -> Result<()> {
                 let rate = match a.rate {
                     Some(rate) => rate,
                     None => {
-                        // the offered rate is a fraction of the system's own drain rate in this run, of
-                        // the same shape as the load: one job per enqueue. For z29c that is a drain of
-                        // one-step workflows (each step pays for its workflow's submission and
-                        // completion too), measured here once per system
+                        // the offered rate is a fraction of the system's own drain rate in
+                        // this run, of the same shape as the load: one job per enqueue. For
+                        // z29c that is a drain of one-step workflows (each step pays for its
+                        // workflow's submission and completion too), measured once per system
                         let mut scale_by = system.clone();
                         if let Some(mode) = bench::Mode::parse(system) {
                             scale_by = format!("{system} 1-step");
