@@ -457,11 +457,7 @@ async fn bench_on(a: BenchArgs) -> Result<()> {
                 };
                 say(&format!(
                     "latency · {system} at {} ({rate:.0}/s): p50 {:.1} ms, p99 {:.1} ms, p99.9 {:.1} ms ({} of {} started)",
-                    if a.rate.is_some() {
-                        "a fixed rate".to_owned()
-                    } else {
-                        format!("{:.0}%", load * 100.0)
-                    },
+                    l.load_label(),
                     l.p50_ms,
                     l.p99_ms,
                     l.p999_ms,

@@ -111,7 +111,7 @@ impl Drain {
 #[derive(Debug, Clone, Serialize)]
 pub struct Latency {
     pub system: String,
-    /// Fraction of the system's drain rate offered.
+    /// Fraction of the system's drain rate offered; 0 for a fixed rate (`bench --rate`).
     pub load: f64,
     pub rate: f64,
     pub sent: usize,
@@ -129,6 +129,18 @@ pub struct Latency {
     pub slowest: Vec<Slow>,
     /// The load's first seconds, run but not counted above.
     pub warmup: Warmup,
+}
+
+impl Latency {
+    /// The load as the report names it: a percentage of the drain, or `fixed` for a rate
+    /// given on the command line.
+    pub fn load_label(&self) -> String {
+        if self.load > 0.0 {
+            format!("{:.0}%", self.load * 100.0)
+        } else {
+            "fixed".to_owned()
+        }
+    }
 }
 
 /// The first seconds of an open-loop run: offered like the rest, not counted in its
@@ -875,13 +887,13 @@ impl Report {
         ));
         if !self.latencies.is_empty() {
             out.push_str(
-                "\nschedule-to-start, open loop | load | jobs/s | sent | started | p50 ms | p99 ms | p99.9 ms | max ms\n\
-                 -----------------------------|------|--------|------|---------|--------|--------|----------|-------\n",
+                "\nschedule-to-start, open loop | load  | jobs/s | sent | started | p50 ms | p99 ms | p99.9 ms | max ms\n\
+                 -----------------------------|-------|--------|------|---------|--------|--------|----------|-------\n",
             );
             for l in &self.latencies {
                 out.push_str(&format!(
-                    "{:<28} | {:>3.0}% | {:>6.0} | {:>4} | {:>7} | {:>6.1} | {:>6.1} | {:>8.1} | {:>6.1}\n",
-                    l.system, l.load * 100.0, l.rate, l.sent, l.started, l.p50_ms, l.p99_ms, l.p999_ms, l.max_ms
+                    "{:<28} | {:>5} | {:>6.0} | {:>4} | {:>7} | {:>6.1} | {:>6.1} | {:>8.1} | {:>6.1}\n",
+                    l.system, l.load_label(), l.rate, l.sent, l.started, l.p50_ms, l.p99_ms, l.p999_ms, l.max_ms
                 ));
                 for leg in &l.legs {
                     out.push_str(&format!(
@@ -1010,5 +1022,22 @@ mod tests {
             .to_vec();
         let slow = Slow::slowest(all, 2);
         assert_eq!(Slow::describe(&slow), "90.0 ms at 4.0 s, 40.0 ms at 2.5 s");
+    }
+
+    #[test]
+    fn a_fixed_rate_is_reported_as_fixed_not_as_zero_percent() {
+        let scaled = latency_from("z29c", 0.5, 300.0, 3, &[1.0, 2.0, 3.0]).unwrap();
+        let fixed = latency_from("z29c", 0.0, 200.0, 3, &[1.0, 2.0, 3.0]).unwrap();
+        assert_eq!(scaled.load_label(), "50%");
+        assert_eq!(fixed.load_label(), "fixed");
+        let report = Report {
+            latencies: vec![scaled, fixed],
+            ..Report::default()
+        };
+        let table = report.table();
+        assert!(table.contains("|   50% |    300 |"), "{table}");
+        assert!(table.contains("| fixed |    200 |"), "{table}");
+        let fixed_row = table.lines().find(|l| l.contains("|    200 |")).unwrap();
+        assert!(!fixed_row.contains('%'), "{table}");
     }
 }

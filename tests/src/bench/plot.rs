@@ -151,7 +151,7 @@ fn latencies(report: &Report, area: &Area) -> Result<(), Box<dyn std::error::Err
     }
     for (i, l) in rows.iter().enumerate() {
         chart.draw_series(std::iter::once(Text::new(
-            format!("{} {:.0}%", l.system, l.load * 100.0),
+            format!("{} {}", l.system, l.load_label()),
             (i as f64 + 0.1, 0.12),
             ("sans-serif", 11),
         )))?;
