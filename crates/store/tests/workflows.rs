@@ -384,6 +384,77 @@ async fn a_failed_receipt_fails_the_workflow_and_stops_the_rest(pool: PgPool) {
     assert_eq!(wf.product_state(), ProductState::Failed);
 }
 
+/// The scheduler publishes a submission's `step.ready` messages from its answer, without a
+/// relay's claim: they must be the outbox rows the submission wrote, field for field (the ids
+/// the relay deletes them by, the msg ids JetStream drops a second publish by), and only the
+/// ready steps'. A repeated key wrote nothing and hands over nothing.
+#[sqlx::test(migrator = "MIGRATOR")]
+async fn a_submission_hands_over_its_ready_messages_as_the_outbox_holds_them(pool: PgPool) {
+    let store = Store::from_pool(pool);
+    let mut wf = workflow(
+        "fan",
+        vec![step("a", &[]), step("b", &[]), step("c", &["a", "b"])],
+    );
+    wf.trace_context = Some("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01".into());
+    let submitted = submit(&store, &wf).await;
+    let detail = submitted.detail.as_ref().unwrap();
+    let ready: Vec<Uuid> = detail.steps[..2].iter().map(|s| s.id.as_uuid()).collect();
+    let handed = &submitted.ready_messages;
+    assert_eq!(
+        handed.len(),
+        2,
+        "one message per ready step, none for the blocked one"
+    );
+    let mut stored = store
+        .claim_outbox(&owner("relay"), 10, Duration::from_secs(30))
+        .await
+        .unwrap();
+    stored.sort_by_key(|m| m.id);
+    assert_eq!(stored.len(), 2);
+    for (h, s) in handed.iter().zip(&stored) {
+        assert_eq!(
+            (
+                h.id,
+                &h.msg_id,
+                &h.kind,
+                h.workflow_id,
+                h.step_id,
+                &h.payload
+            ),
+            (
+                s.id,
+                &s.msg_id,
+                &s.kind,
+                s.workflow_id,
+                s.step_id,
+                &s.payload
+            )
+        );
+        assert_eq!(h.created_at, s.created_at);
+        assert_eq!(h.trace_context, s.trace_context);
+        assert_eq!(h.trace_context, wf.trace_context);
+        assert_eq!(h.kind, "step_ready");
+        assert_eq!(h.workflow_id, submitted.workflow.as_uuid());
+    }
+    let mut steps: Vec<Uuid> = handed.iter().filter_map(|m| m.step_id).collect();
+    steps.sort();
+    let mut want = ready.clone();
+    want.sort();
+    assert_eq!(steps, want);
+    // what was published from the answer is deleted by the relay's next claim
+    let ids: Vec<i64> = handed.iter().map(|m| m.id).collect();
+    let (marked, next) = store
+        .mark_outbox_sent_and_claim(&ids, &owner("relay"), 10, Duration::from_secs(30))
+        .await
+        .unwrap();
+    assert_eq!((marked, next.len()), (2, 0));
+    assert_eq!(store.outbox_backlog().await.unwrap(), 0);
+    let again = submit(&store, &wf).await;
+    assert!(!again.created);
+    assert!(again.ready_messages.is_empty());
+    assert_eq!(store.outbox_backlog().await.unwrap(), 0);
+}
+
 #[sqlx::test(migrator = "MIGRATOR")]
 async fn outbox_relays_claim_disjoint_batches_and_mark_them_sent(pool: PgPool) {
     let store = Store::from_pool(pool);
