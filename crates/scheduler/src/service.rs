@@ -2,9 +2,10 @@
 //! lease history kept under technical details.
 
 use std::pin::Pin;
+use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::mpsc;
+use tokio::sync::Notify;
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 use tracing::Instrument;
@@ -16,7 +17,6 @@ use z29c_proto::v1::workflow_service_server::WorkflowService;
 use z29c_proto::v1::{self as pb};
 use z29c_runtime::{Guard, status_from_store};
 use z29c_store::Store;
-use z29c_store::outbox::OutboxMessage;
 use z29c_store::workflows::{NewStep, NewWorkflow, StepDetail, SubmitLimits, WorkflowDetail};
 
 #[derive(Debug, Clone)]
@@ -27,8 +27,8 @@ pub struct Workflows {
     gateways: Gateways,
     limits: SubmitLimits,
     guard: Guard,
-    /// This scheduler's outbox relay: a new workflow's `step.ready` messages go out at once.
-    relay: mpsc::Sender<Vec<OutboxMessage>>,
+    /// Wakes this scheduler's outbox relay: a new workflow's `step.ready` hints go out at once.
+    relay_wake: Arc<Notify>,
 }
 
 impl Workflows {
@@ -37,14 +37,14 @@ impl Workflows {
         bus: Bus,
         limits: SubmitLimits,
         guard: Guard,
-        relay: mpsc::Sender<Vec<OutboxMessage>>,
+        relay_wake: Arc<Notify>,
     ) -> Self {
         Self {
             store,
             gateways: Gateways::new(bus, z29c_security::TlsConfig::default()),
             limits,
             guard,
-            relay,
+            relay_wake,
         }
     }
 }
@@ -255,16 +255,13 @@ impl Workflows {
                 format!("no gateway serves adapter {:?}", wf.steps[i].adapter),
             ));
         }
-        let mut submitted = self
+        let submitted = self
             .store
             .submit_workflow(&wf, &self.limits)
             .await
             .map_err(status_from_store)?;
-        // a relay too busy to take them finds them in the outbox at its next poll
-        if !submitted.ready_messages.is_empty() {
-            let _ = self
-                .relay
-                .try_send(std::mem::take(&mut submitted.ready_messages));
+        if submitted.created {
+            self.relay_wake.notify_one();
         }
         tracing::Span::current().record("workflow", tracing::field::display(&submitted.workflow));
         tracing::info!(workflow = %submitted.workflow, created = submitted.created, steps = wf.steps.len(), "workflow submitted");

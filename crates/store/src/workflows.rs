@@ -13,7 +13,7 @@ use z29c_core::{
 };
 
 use crate::error::parse;
-use crate::outbox::{self, MessageKind, OutboxMessage};
+use crate::outbox::{self, MessageKind};
 use crate::{Result, Store, StoreError, millis};
 
 /// A step as submitted.
@@ -68,12 +68,6 @@ pub struct Submitted {
     /// leased yet), built from what was written; `None` when the key named an earlier
     /// submission, which only a read can tell.
     pub detail: Option<WorkflowDetail>,
-    /// The `step.ready` messages the submission wrote to the outbox, as written (empty when
-    /// the key named an earlier submission): the scheduler publishes them at once, without a
-    /// relay's claim, and the relay deletes them with its next claim (see
-    /// `z29c_scheduler::relay`). They stay in the outbox until then, so a publish that never
-    /// happens is the relay's to make.
-    pub ready_messages: Vec<OutboxMessage>,
 }
 
 /// A step's state at submission: ready unless it waits for others.
@@ -373,15 +367,7 @@ impl Store {
             .filter(|(s, _)| s.depends_on.is_empty())
             .map(|(_, step)| step.as_uuid())
             .collect();
-        type Written = (
-            DateTime<Utc>,
-            Vec<i64>,
-            Vec<String>,
-            Vec<Uuid>,
-            Vec<DateTime<Utc>>,
-        );
-        let trace_context = wf.trace_context.as_deref().filter(|t| t.len() <= 256);
-        let written: Option<Written> = sqlx::query_as(
+        let created_at: Option<DateTime<Utc>> = sqlx::query_scalar(
             "WITH w AS (
                  INSERT INTO workflows (id, client_key, submission_digest, name, deadline,
                                         trace_context)
@@ -411,20 +397,15 @@ impl Store {
                  SELECT $10::text || '-' || gen_random_uuid()::text, $10, w.id, r.id, '{}',
                         w.trace_context
                  FROM w, unnest($11::uuid[]) AS r(id)
-                 RETURNING id, msg_id, step_id, created_at
              )
-             SELECT w.created_at, ARRAY(SELECT id FROM o ORDER BY id),
-                    ARRAY(SELECT msg_id FROM o ORDER BY id),
-                    ARRAY(SELECT step_id FROM o ORDER BY id),
-                    ARRAY(SELECT created_at FROM o ORDER BY id)
-             FROM w",
+             SELECT created_at FROM w",
         )
         .bind(id.as_uuid())
         .bind(wf.client_key.as_str())
         .bind(digest.as_str())
         .bind(&wf.name)
         .bind(wf.deadline)
-        .bind(trace_context)
+        .bind(wf.trace_context.as_deref().filter(|t| t.len() <= 256))
         .bind(Value::Array(steps))
         .bind(&dependent)
         .bind(&dependency)
@@ -432,7 +413,7 @@ impl Store {
         .bind(&ready)
         .fetch_optional(&self.pool)
         .await?;
-        let Some((created_at, msg_ids, msg_names, msg_steps, msg_times)) = written else {
+        let Some(created_at) = created_at else {
             let (existing, existing_digest): (Uuid, String) =
                 sqlx::query_as("SELECT id, submission_digest FROM workflows WHERE client_key = $1")
                     .bind(wf.client_key.as_str())
@@ -448,7 +429,6 @@ impl Store {
                 workflow: WorkflowId::from_uuid(existing),
                 created: false,
                 detail: None,
-                ready_messages: Vec::new(),
             });
         };
         let steps = wf
@@ -475,25 +455,9 @@ impl Store {
                 receipt: None,
             })
             .collect();
-        let ready_messages = msg_ids
-            .into_iter()
-            .zip(msg_names)
-            .zip(msg_steps.into_iter().zip(msg_times))
-            .map(|((row, msg_id), (step, created_at))| OutboxMessage {
-                id: row,
-                msg_id,
-                kind: MessageKind::StepReady.as_str().to_owned(),
-                workflow_id: id.as_uuid(),
-                step_id: Some(step),
-                payload: json!({}),
-                created_at,
-                trace_context: trace_context.map(str::to_owned),
-            })
-            .collect();
         Ok(Submitted {
             workflow: id,
             created: true,
-            ready_messages,
             detail: Some(WorkflowDetail {
                 id,
                 client_key: wf.client_key.as_str().to_owned(),
