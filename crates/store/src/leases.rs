@@ -187,7 +187,7 @@ macro_rules! claim_sql {
                      leased_at = now(),
                      expires_at = now() + s.lease_ms * interval '1 millisecond',
                      attempt_deadline = now() + s.attempt_deadline_ms * interval '1 millisecond',
-                     current_attempt_id = gen_random_uuid(),
+                     current_attempt_id = z29c_uuid_v7(),
                      attempts_made = s.attempts_made + 1,
                      request_identity = coalesce(s.request_identity,
                          'z29c:' || s.workflow_id::text || ':' || s.name),
@@ -749,7 +749,7 @@ pub(crate) async fn finish_step(
              RETURNING trace_context
          ), o AS (
              INSERT INTO outbox (msg_id, kind, workflow_id, step_id, payload, trace_context)
-             SELECT m.kind || '-' || gen_random_uuid()::text, m.kind, $3, m.step_id, m.payload,
+             SELECT m.kind || '-' || z29c_uuid_v7()::text, m.kind, $3, m.step_id, m.payload,
                     m.trace_context
              FROM (SELECT 1 AS ord, $17::text AS kind, $2::uuid AS step_id,
                           jsonb_build_object('outcome', $11::text, 'verification', $13::text)
@@ -848,7 +848,7 @@ async fn complete_if_all_done(conn: &mut PgConnection, workflow: Uuid) -> Result
              RETURNING id, trace_context
          )
          INSERT INTO outbox (msg_id, kind, workflow_id, step_id, payload, trace_context)
-         SELECT $2 || '-' || gen_random_uuid()::text, $2, id, NULL, $3, trace_context FROM done",
+         SELECT $2 || '-' || z29c_uuid_v7()::text, $2, id, NULL, $3, trace_context FROM done",
     )
     .bind(workflow)
     .bind(MessageKind::WorkflowChanged.as_str())

@@ -57,7 +57,7 @@ pub(crate) async fn enqueue(
 ) -> Result<()> {
     sqlx::query(
         "INSERT INTO outbox (msg_id, kind, workflow_id, step_id, payload, trace_context)
-         VALUES ($1 || '-' || gen_random_uuid()::text, $1, $2, $3, $4,
+         VALUES ($1 || '-' || z29c_uuid_v7()::text, $1, $2, $3, $4,
                  (SELECT trace_context FROM workflows WHERE id = $2))",
     )
     .bind(kind.as_str())
@@ -205,7 +205,7 @@ async fn mark_sent_in(conn: &mut PgConnection, ids: &[i64]) -> Result<u64> {
              RETURNING w.id, w.trace_context
          ), announced AS (
              INSERT INTO outbox (msg_id, kind, workflow_id, step_id, payload, trace_context)
-             SELECT $3 || '-' || gen_random_uuid()::text, $3, id, NULL, $4, trace_context
+             SELECT $3 || '-' || z29c_uuid_v7()::text, $3, id, NULL, $4, trace_context
              FROM done
          )
          SELECT count(*) FROM sent",

@@ -394,7 +394,7 @@ impl Store {
                  FROM w, unnest($8::uuid[], $9::uuid[]) AS x(step_id, depends_on)
              ), o AS (
                  INSERT INTO outbox (msg_id, kind, workflow_id, step_id, payload, trace_context)
-                 SELECT $10::text || '-' || gen_random_uuid()::text, $10, w.id, r.id, '{}',
+                 SELECT $10::text || '-' || z29c_uuid_v7()::text, $10, w.id, r.id, '{}',
                         w.trace_context
                  FROM w, unnest($11::uuid[]) AS r(id)
              )

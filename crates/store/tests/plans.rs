@@ -338,3 +338,62 @@ async fn the_deadline_sweep_reads_the_overdue_workflows_not_every_workflow(pool:
         "oldest deadline first"
     );
 }
+
+/// The Unix milliseconds of a version-7 UUID, or `None` for any other version.
+fn v7_millis(id: uuid::Uuid) -> Option<u64> {
+    let (seconds, nanos) = id.get_timestamp()?.to_unix();
+    (id.get_version() == Some(uuid::Version::SortRand))
+        .then(|| seconds * 1_000 + u64::from(nanos) / 1_000_000)
+}
+
+#[sqlx::test(migrator = "MIGRATOR")]
+async fn keys_made_in_sql_are_time_ordered_so_their_indexes_grow_at_one_edge(pool: PgPool) {
+    let store = Store::from_pool(pool.clone());
+    let clock = "SELECT (extract(epoch FROM clock_timestamp()) * 1000)::int8";
+    let before: i64 = sqlx::query_scalar(clock).fetch_one(&pool).await.unwrap();
+    // the function itself: version 7, RFC 9562's variant, now's milliseconds, all distinct
+    let made: Vec<uuid::Uuid> =
+        sqlx::query_scalar("SELECT z29c_uuid_v7() FROM generate_series(1, 1000)")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    let distinct: std::collections::HashSet<_> = made.iter().collect();
+    assert_eq!(distinct.len(), 1000, "no two alike");
+    assert!(
+        made.iter()
+            .all(|id| id.get_variant() == uuid::Variant::RFC4122)
+    );
+
+    submit(
+        &store,
+        &workflow("ordered-1", vec![step("a", &[]), step("b", &[])]),
+    )
+    .await;
+    let claimed = store.claim(&owner("worker-a"), 2).await.unwrap();
+    assert_eq!(claimed.len(), 2);
+    let after: i64 = sqlx::query_scalar(clock).fetch_one(&pool).await.unwrap();
+    let within = |id: uuid::Uuid, what: &str| {
+        let ms = v7_millis(id).unwrap_or_else(|| panic!("{what} {id} is not a version-7 UUID"));
+        assert!(
+            (before as u64..=after as u64).contains(&ms),
+            "{what} {id} says {ms} ms, made between {before} and {after}"
+        );
+    };
+    made.iter().for_each(|id| within(*id, "z29c_uuid_v7()"));
+    // what the hot path names with it: a claim's attempts and the outbox's messages
+    for c in &claimed {
+        within(c.lease.attempt.as_uuid(), "an attempt");
+    }
+    let msg_ids: Vec<String> = sqlx::query_scalar("SELECT msg_id FROM outbox")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert!(
+        !msg_ids.is_empty(),
+        "the submission announced its ready steps"
+    );
+    for m in msg_ids {
+        let (_, id) = m.split_at(m.len() - 36);
+        within(id.parse().unwrap(), "an outbox msg_id");
+    }
+}
