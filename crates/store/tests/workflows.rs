@@ -510,11 +510,13 @@ fn permit_request<'a>(id: &'a RequestIdentity, hold: Duration) -> PermitRequest<
 /// goes to the next caller, and the old holder's late release frees nothing of the new one's.
 #[sqlx::test(migrator = "MIGRATOR")]
 async fn an_expired_permits_slot_is_taken_again_and_its_late_release_frees_nothing(pool: PgPool) {
-    let store = Store::from_pool(pool);
+    let store = Store::from_pool(pool.clone());
     store.set_permit_limit("http", "create", 1).await.unwrap();
     let id = RequestIdentity::parse("req").unwrap();
+    // a hold long enough that the refusal below comes before it runs out on a loaded machine
+    // (100 ms did not, once, with the whole suite running)
     let old = store
-        .acquire_permit(&permit_request(&id, Duration::from_millis(100)))
+        .acquire_permit(&permit_request(&id, Duration::from_secs(1)))
         .await
         .unwrap();
     let long = permit_request(&id, Duration::from_secs(30));
@@ -522,7 +524,15 @@ async fn an_expired_permits_slot_is_taken_again_and_its_late_release_frees_nothi
         store.acquire_permit(&long).await,
         Err(StoreError::PermitsExhausted { limit: 1, .. })
     ));
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // until the hold has run out by the database's clock
+    sqlx::query(
+        "SELECT pg_sleep(extract(epoch FROM expires_at - clock_timestamp())::float8 + 0.05)
+         FROM adapter_permits WHERE id = $1",
+    )
+    .bind(old.id)
+    .execute(&pool)
+    .await
+    .unwrap();
     let new = store.acquire_permit(&long).await.unwrap();
     store.release_permit(old.id, "late").await.unwrap();
     assert!(
@@ -534,6 +544,53 @@ async fn an_expired_permits_slot_is_taken_again_and_its_late_release_frees_nothi
     );
     store.release_permit(new.id, "succeeded").await.unwrap();
     store.acquire_permit(&long).await.unwrap();
+}
+
+/// A permit names its limit without locking the limit's row (every gateway's every call would
+/// share that lock through a MultiXact), and a limit, which permits name, cannot be removed.
+#[sqlx::test(migrator = "MIGRATOR")]
+async fn a_permit_takes_no_lock_on_its_limit_and_a_limit_is_never_removed(pool: PgPool) {
+    let store = Store::from_pool(pool.clone());
+    store.set_permit_limit("http", "create", 2).await.unwrap();
+    // a row lock leaves its taker in the tuple's xmax (making the slots, which reference the
+    // limit, left the limit's own transaction there)
+    let xmax = || async {
+        sqlx::query_scalar::<_, String>("SELECT xmax::text FROM adapter_limits")
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+    };
+    let before = xmax().await;
+    let id = RequestIdentity::parse("req").unwrap();
+    let permit = store
+        .acquire_permit(&permit_request(&id, Duration::from_secs(30)))
+        .await
+        .unwrap();
+    assert_eq!(xmax().await, before, "a permit locked its limit's row");
+    let named: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM adapter_permits p JOIN adapter_limits l USING (adapter, operation_class)
+         WHERE p.id = $1",
+    )
+    .bind(permit.id)
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(named, 1, "the permit names its limit");
+    for removal in [
+        "DELETE FROM adapter_limits",
+        "TRUNCATE adapter_limits CASCADE",
+    ] {
+        let refused = sqlx::query(removal).execute(&pool).await.unwrap_err();
+        assert!(
+            matches!(StoreError::from(refused), StoreError::AppendOnly(ref m) if m.contains("never removed")),
+            "{removal} was not refused as a removal"
+        );
+    }
+    let limits: i64 = sqlx::query_scalar("SELECT count(*) FROM adapter_limits")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(limits, 1);
 }
 
 /// Permits spread over their class's slots instead of reusing its first ones (whose row

@@ -185,7 +185,10 @@ pub async fn z29c_steady(
         let mut last = receipts(&pool).await?;
         let mut last_wal = WalCounters::read(&pool).await?;
         let (mut minutes, mut submitted) = (Vec::new(), 0usize);
-        while start.elapsed() < duration {
+        // every minute of `duration` is recorded: a loop that stopped at `duration` itself
+        // could miss the last one by the few milliseconds its own statements took
+        let wanted = usize::try_from(duration.as_secs() / 60).unwrap_or(usize::MAX).max(1);
+        while minutes.len() < wanted {
             let waiting: i64 = sqlx::query_scalar(
                 "SELECT count(*) FROM steps WHERE state IN ('ready', 'leased')",
             )
