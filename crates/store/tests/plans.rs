@@ -349,7 +349,8 @@ fn v7_millis(id: uuid::Uuid) -> Option<u64> {
 #[sqlx::test(migrator = "MIGRATOR")]
 async fn keys_made_in_sql_are_time_ordered_so_their_indexes_grow_at_one_edge(pool: PgPool) {
     let store = Store::from_pool(pool.clone());
-    let clock = "SELECT (extract(epoch FROM clock_timestamp()) * 1000)::int8";
+    // floored, as the UUID's milliseconds are (a cast to int8 would round up)
+    let clock = "SELECT floor(extract(epoch FROM clock_timestamp()) * 1000)::int8";
     let before: i64 = sqlx::query_scalar(clock).fetch_one(&pool).await.unwrap();
     // the function itself: version 7, RFC 9562's variant, now's milliseconds, all distinct
     let made: Vec<uuid::Uuid> =
