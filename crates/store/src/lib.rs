@@ -24,6 +24,7 @@ pub mod faults;
 pub mod leases;
 pub mod outbox;
 pub mod permits;
+pub mod receipts;
 pub mod recovery;
 pub mod review;
 pub mod workflows;
