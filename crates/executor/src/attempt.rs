@@ -11,6 +11,7 @@ use z29c_proto::v1::{InvokeRequest, invoke_response};
 use z29c_store::batch::GroupCommit;
 use z29c_store::faults::{CrashPoint, crash_if_armed};
 use z29c_store::leases::{ClaimedStep, CommitOutcome, Observed};
+use z29c_store::receipts::ReceiptBatches;
 use z29c_store::{Store, StoreError};
 use z29c_telemetry::metrics::counter;
 
@@ -22,6 +23,8 @@ pub struct Context {
     pub store: Store,
     /// Group commit for checkpoints and receipts, when on.
     pub commits: Option<GroupCommit>,
+    /// Shared receipt statements, when group commit is off.
+    pub receipts: Option<ReceiptBatches>,
     pub gateways: Gateways,
     /// Cancelled at shutdown: attempts that have not begun their invocation give the step back.
     pub stop: CancellationToken,
@@ -201,12 +204,13 @@ async fn commit_or_keep_late(
     step: &ClaimedStep,
     observed: &Observed,
 ) -> Result<CommitOutcome, StoreError> {
-    match &ctx.commits {
-        Some(g) => {
+    match (&ctx.commits, &ctx.receipts) {
+        (Some(g), _) => {
             g.commit_or_keep_late(&ctx.store, step.workflow.as_uuid(), &step.lease, observed)
                 .await
         }
-        None => ctx.store.commit_or_keep_late(&step.lease, observed).await,
+        (None, Some(r)) => r.commit_or_keep_late(&step.lease, observed).await,
+        (None, None) => ctx.store.commit_or_keep_late(&step.lease, observed).await,
     }
 }
 

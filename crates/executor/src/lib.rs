@@ -75,6 +75,15 @@ pub async fn run(config: ExecutorConfig, shutdown: CancellationToken) -> anyhow:
     let commits = config.group_commit.then(|| {
         z29c_store::batch::GroupCommit::start(&store, config.committers, config.max_group)
     });
+    // group commit covers receipts too; otherwise receipts finishing together share statements
+    // (with a batch of 1, each attempt writes its own statement on its own connection)
+    let receipts = (!config.group_commit && config.receipt_batch > 1).then(|| {
+        z29c_store::receipts::ReceiptBatches::start(
+            &store,
+            config.receipt_committers,
+            config.receipt_batch,
+        )
+    });
     let wake = Arc::new(Notify::new());
     let hints = tokio::spawn(listen_for_hints(
         bus.clone(),
@@ -123,6 +132,7 @@ pub async fn run(config: ExecutorConfig, shutdown: CancellationToken) -> anyhow:
                         let ctx = attempt::Context {
                             store: store.clone(),
                             commits: commits.clone(),
+                            receipts: receipts.clone(),
                             gateways: gateways.clone(),
                             stop: attempts_token.clone(),
                             #[cfg(feature = "faults")]

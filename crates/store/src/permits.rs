@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use serde::Serialize;
+use sqlx::FromRow;
 use uuid::Uuid;
 use z29c_core::{AttemptId, LeaseClaim, RequestIdentity};
 
@@ -67,6 +68,35 @@ macro_rules! permit_columns {
     () => {
         "id, adapter, operation_class, attempt_id, request_identity, gateway, state, \
          acquired_at, expires_at, released_at, release_reason"
+    };
+}
+
+/// Releases the ended permits given as `$1` (ids), `$2` (reasons) and `$3` (microseconds since
+/// each call ended), freeing their slots, when `$when` (SQL) holds: CTEs `ended`, `released` and `freed`,
+/// for a statement's `WITH`. As [`release_permit_in`], many at once.
+macro_rules! release_ended {
+    ($when:literal) => {
+        concat!(
+            "ended AS (
+             SELECT * FROM unnest($1::uuid[], $2::text[], $3::int8[]) AS e (id, reason, ago)
+         ), released AS (
+             UPDATE adapter_permits p
+             SET state = 'released',
+                 released_at = greatest(p.acquired_at,
+                                        clock_timestamp() - e.ago * interval '1 microsecond'),
+                 release_reason = e.reason
+             FROM ended e
+             WHERE p.id = e.id AND p.state <> 'released' AND ",
+            $when,
+            "
+             RETURNING p.id, p.adapter, p.operation_class, p.slot
+         ), freed AS (
+             UPDATE adapter_permit_slots sl SET permit_id = NULL, expires_at = NULL
+             FROM released r
+             WHERE sl.adapter = r.adapter AND sl.operation_class = r.operation_class
+               AND sl.slot = r.slot AND sl.permit_id = r.id
+         )"
+        )
     };
 }
 
@@ -179,16 +209,135 @@ impl Store {
     /// (so their slots are free for this one): a gateway's releases ride on its next permit
     /// instead of a `COMMIT` each. If this transaction fails they are not released; the caller
     /// keeps them for the next try.
+    ///
+    /// The common case (an execution lease, current, its workflow running, a slot free in this
+    /// statement's snapshot) is one statement without `BEGIN` or `COMMIT`
+    /// ([`Store::begin_invocation_with_permit_at_once`]); anything else is a transaction that says why.
     pub async fn begin_invocation_with_permit(
         &self,
         claim: &LeaseClaim,
         req: &PermitRequest<'_>,
         ended: &[EndedPermit],
     ) -> Result<(Permit, i64)> {
+        if let Some(done) = self
+            .begin_invocation_with_permit_at_once(claim, req, ended)
+            .await?
+        {
+            return Ok(done);
+        }
         let mut tx = self.begin().await?;
         let out = begin_invocation_with_permit_in(&mut tx, claim, req, ended).await?;
         tx.commit().await?;
         Ok(out)
+    }
+
+    /// [`Store::begin_invocation_with_permit`] in one statement, committed on its own: the ended
+    /// permits' release, the fence of *invocation began* with its attempt's checkpoint and event,
+    /// and a free slot's permit. Each write waits on the others: the fence only matches while a
+    /// slot is free (locked, `SKIP LOCKED`, and re-checked on its newest version), and the slot is
+    /// only taken when the fence matched. Only for what the transaction would commit anyway: an
+    /// execution lease whose attempt is at *request identity persisted*, in a running workflow;
+    /// `None` when the statement wrote nothing (the ended permits are released only with the
+    /// invocation, as in the transaction), and the transaction then says why.
+    pub async fn begin_invocation_with_permit_at_once(
+        &self,
+        claim: &LeaseClaim,
+        req: &PermitRequest<'_>,
+        ended: &[EndedPermit],
+    ) -> Result<Option<(Permit, i64)>> {
+        if claim.kind != z29c_core::LeaseKind::Execution
+            || crate::faults::is_armed(crate::faults::CrashPoint::before(
+                z29c_core::Checkpoint::InvocationBegan,
+            ))
+        {
+            return Ok(None);
+        }
+        let (ids, reasons, agos) = ended_arrays(ended);
+        let row = sqlx::query(concat!(
+            // every slot is named by its whole key, and the search starts at a random slot, as in
+            // take_free_slot; a slot whose permit this statement releases is left alone
+            "WITH lim AS (
+             SELECT max_in_flight AS n, floor(random() * max_in_flight)::int AS start
+             FROM adapter_limits WHERE adapter = $4 AND operation_class = $5
+         ), free AS (
+             SELECT coalesce(
+                 (SELECT slot FROM adapter_permit_slots
+                  WHERE adapter = $4 AND operation_class = $5
+                    AND slot >= (SELECT start FROM lim) AND slot < (SELECT n FROM lim)
+                    AND (permit_id IS NULL OR (expires_at <= clock_timestamp()
+                                               AND permit_id <> ALL ($1::uuid[])))
+                  ORDER BY slot LIMIT 1
+                  FOR UPDATE SKIP LOCKED),
+                 (SELECT slot FROM adapter_permit_slots
+                  WHERE adapter = $4 AND operation_class = $5
+                    AND slot < (SELECT start FROM lim)
+                    AND (permit_id IS NULL OR (expires_at <= clock_timestamp()
+                                               AND permit_id <> ALL ($1::uuid[])))
+                  ORDER BY slot LIMIT 1
+                  FOR UPDATE SKIP LOCKED)) AS slot
+         ), f AS (
+             UPDATE steps s
+             SET checkpoint_version = s.checkpoint_version + 1, updated_at = now()
+             WHERE s.id = $6 AND s.lease_version = $7 AND s.lease_owner = $8
+               AND s.state = 'leased' AND s.expires_at > now() AND s.current_attempt_id = $9
+               AND (SELECT slot FROM free) IS NOT NULL
+               AND (SELECT w.state FROM workflows w WHERE w.id = s.workflow_id) = 'running'
+               AND (SELECT a.checkpoint FROM attempts a WHERE a.id = s.current_attempt_id)
+                   = 'request_identity_persisted'
+             RETURNING s.workflow_id, s.checkpoint_version
+         ), a AS (
+             UPDATE attempts SET checkpoint = 'invocation_began', invocation_began_at = now(),
+                                 updated_at = now()
+             WHERE id = $9 AND EXISTS (SELECT 1 FROM f)
+         ), e AS (
+             INSERT INTO step_events (workflow_id, step_id, attempt_id, lease_version, owner,
+                                      kind, detail)
+             SELECT f.workflow_id, $6, $9, $7, $8, $10,
+                    jsonb_build_object('checkpoint', 'invocation_began',
+                                       'checkpoint_version', f.checkpoint_version)
+             FROM f
+         ), taken AS (
+             UPDATE adapter_permit_slots
+             SET permit_id = $11,
+                 expires_at = clock_timestamp() + $14::bigint * interval '1 millisecond'
+             WHERE adapter = $4 AND operation_class = $5 AND slot = (SELECT slot FROM free)
+               AND EXISTS (SELECT 1 FROM f)
+             RETURNING slot, expires_at
+         ), p AS (
+             INSERT INTO adapter_permits (id, adapter, operation_class, attempt_id,
+                 request_identity, gateway, expires_at, slot)
+             SELECT $11, $4, $5, $9, $12, $13, expires_at, slot FROM taken
+             RETURNING ",
+            permit_columns!(),
+            "
+         ), ",
+            // the ended permits are released only with the invocation, as in the transaction
+            release_ended!("EXISTS (SELECT 1 FROM f)"),
+            "
+         SELECT p.*, f.checkpoint_version FROM p, f"
+        ))
+        .bind(&ids)
+        .bind(&reasons)
+        .bind(&agos)
+        .bind(req.adapter)
+        .bind(req.operation_class)
+        .bind(claim.step.as_uuid())
+        .bind(claim.version.get())
+        .bind(claim.owner.as_str())
+        .bind(claim.attempt.as_uuid())
+        .bind(crate::events::EventKind::Checkpoint.as_str())
+        .bind(Uuid::now_v7())
+        .bind(req.request_identity.as_str())
+        .bind(req.gateway)
+        .bind(millis(req.hold))
+        .fetch_optional(self.pool())
+        .await?;
+        let Some(row) = row else {
+            return Ok(None);
+        };
+        let permit = Permit::from_row(&row)?;
+        let version: i64 = sqlx::Row::try_get(&row, "checkpoint_version")?;
+        Ok(Some((permit, version)))
     }
 
     /// Releases a permit on a known outcome (or after resolution). Releasing twice is a no-op.
@@ -206,9 +355,17 @@ impl Store {
     /// wait for the disk, as [`Store::release_permit`].
     pub async fn release_permits(&self, ended: &[EndedPermit]) -> Result<()> {
         let mut tx = self.begin_relaxed().await?;
-        for e in ended {
-            release_permit_in(&mut tx, e.permit, e.reason, e.ended).await?;
-        }
+        let (ids, reasons, agos) = ended_arrays(ended);
+        sqlx::query(concat!(
+            "WITH ",
+            release_ended!("true"),
+            " SELECT count(*) FROM released"
+        ))
+        .bind(&ids)
+        .bind(&reasons)
+        .bind(&agos)
+        .execute(&mut *tx)
+        .await?;
         tx.commit().await?;
         Ok(())
     }
@@ -287,6 +444,18 @@ pub(crate) async fn begin_invocation_with_permit_in(
     let version = crate::leases::begin_invocation_in(&mut *conn, claim).await?;
     let permit = acquire_permit_in(&mut *conn, req).await?;
     Ok((permit, version))
+}
+
+/// The bind values of [`release_ended!`].
+fn ended_arrays(ended: &[EndedPermit]) -> (Vec<Uuid>, Vec<String>, Vec<i64>) {
+    (
+        ended.iter().map(|e| e.permit).collect(),
+        ended.iter().map(|e| e.reason.to_owned()).collect(),
+        ended
+            .iter()
+            .map(|e| i64::try_from(e.ended.elapsed().as_micros()).unwrap_or(i64::MAX))
+            .collect(),
+    )
 }
 
 /// The statement of [`Store::acquire_permit`], on the caller's connection or transaction
