@@ -71,35 +71,6 @@ macro_rules! permit_columns {
     };
 }
 
-/// Releases the ended permits given as `$1` (ids), `$2` (reasons) and `$3` (microseconds since
-/// each call ended), freeing their slots, when `$when` (SQL) holds: CTEs `ended`, `released` and `freed`,
-/// for a statement's `WITH`. As [`release_permit_in`], many at once.
-macro_rules! release_ended {
-    ($when:literal) => {
-        concat!(
-            "ended AS (
-             SELECT * FROM unnest($1::uuid[], $2::text[], $3::int8[]) AS e (id, reason, ago)
-         ), released AS (
-             UPDATE adapter_permits p
-             SET state = 'released',
-                 released_at = greatest(p.acquired_at,
-                                        clock_timestamp() - e.ago * interval '1 microsecond'),
-                 release_reason = e.reason
-             FROM ended e
-             WHERE p.id = e.id AND p.state <> 'released' AND ",
-            $when,
-            "
-             RETURNING p.id, p.adapter, p.operation_class, p.slot
-         ), freed AS (
-             UPDATE adapter_permit_slots sl SET permit_id = NULL, expires_at = NULL
-             FROM released r
-             WHERE sl.adapter = r.adapter AND sl.operation_class = r.operation_class
-               AND sl.slot = r.slot AND sl.permit_id = r.id
-         )"
-        )
-    };
-}
-
 /// Releases the permits still held for an unknown outcome of `identity`, now that the outcome
 /// is known; the release names why and frees their slots. Runs inside the transaction that
 /// made it known.
@@ -219,9 +190,13 @@ impl Store {
         req: &PermitRequest<'_>,
         ended: &[EndedPermit],
     ) -> Result<(Permit, i64)> {
-        if let Some(done) = self
-            .begin_invocation_with_permit_at_once(claim, req, ended)
-            .await?
+        // a statement that releases one ended permit at most: its release is looked up by
+        // key, as the transaction's is (an array of them leads a plan made while the table was
+        // small through every permit)
+        if let [] | [_] = ended
+            && let Some(done) = self
+                .begin_invocation_with_permit_at_once(claim, req, ended.first())
+                .await?
         {
             return Ok(done);
         }
@@ -243,7 +218,7 @@ impl Store {
         &self,
         claim: &LeaseClaim,
         req: &PermitRequest<'_>,
-        ended: &[EndedPermit],
+        ended: Option<&EndedPermit>,
     ) -> Result<Option<(Permit, i64)>> {
         if claim.kind != z29c_core::LeaseKind::Execution
             || crate::faults::is_armed(crate::faults::CrashPoint::before(
@@ -252,7 +227,7 @@ impl Store {
         {
             return Ok(None);
         }
-        let (ids, reasons, agos) = ended_arrays(ended);
+        let ago = ended.map(|e| i64::try_from(e.ended.elapsed().as_micros()).unwrap_or(i64::MAX));
         let row = sqlx::query(concat!(
             // every slot is named by its whole key, and the search starts at a random slot, as in
             // take_free_slot; a slot whose permit this statement releases is left alone
@@ -265,14 +240,14 @@ impl Store {
                   WHERE adapter = $4 AND operation_class = $5
                     AND slot >= (SELECT start FROM lim) AND slot < (SELECT n FROM lim)
                     AND (permit_id IS NULL OR (expires_at <= clock_timestamp()
-                                               AND permit_id <> ALL ($1::uuid[])))
+                                               AND permit_id IS DISTINCT FROM $1))
                   ORDER BY slot LIMIT 1
                   FOR UPDATE SKIP LOCKED),
                  (SELECT slot FROM adapter_permit_slots
                   WHERE adapter = $4 AND operation_class = $5
                     AND slot < (SELECT start FROM lim)
                     AND (permit_id IS NULL OR (expires_at <= clock_timestamp()
-                                               AND permit_id <> ALL ($1::uuid[])))
+                                               AND permit_id IS DISTINCT FROM $1))
                   ORDER BY slot LIMIT 1
                   FOR UPDATE SKIP LOCKED)) AS slot
          ), f AS (
@@ -310,15 +285,26 @@ impl Store {
              RETURNING ",
             permit_columns!(),
             "
-         ), ",
-            // the ended permits are released only with the invocation, as in the transaction
-            release_ended!("EXISTS (SELECT 1 FROM f)"),
-            "
+         ), released AS (
+             -- the ended permit is released only with the invocation, as in the transaction
+             UPDATE adapter_permits
+             SET state = 'released',
+                 released_at = greatest(acquired_at,
+                                        clock_timestamp() - $3 * interval '1 microsecond'),
+                 release_reason = $2
+             WHERE id = $1 AND state <> 'released' AND EXISTS (SELECT 1 FROM f)
+             RETURNING adapter, operation_class, slot
+         ), freed AS (
+             UPDATE adapter_permit_slots SET permit_id = NULL, expires_at = NULL
+             WHERE adapter = (SELECT adapter FROM released)
+               AND operation_class = (SELECT operation_class FROM released)
+               AND slot = (SELECT slot FROM released) AND permit_id = $1
+         )
          SELECT p.*, f.checkpoint_version FROM p, f"
         ))
-        .bind(&ids)
-        .bind(&reasons)
-        .bind(&agos)
+        .bind(ended.map(|e| e.permit))
+        .bind(ended.map(|e| e.reason))
+        .bind(ago)
         .bind(req.adapter)
         .bind(req.operation_class)
         .bind(claim.step.as_uuid())
@@ -355,17 +341,9 @@ impl Store {
     /// wait for the disk, as [`Store::release_permit`].
     pub async fn release_permits(&self, ended: &[EndedPermit]) -> Result<()> {
         let mut tx = self.begin_relaxed().await?;
-        let (ids, reasons, agos) = ended_arrays(ended);
-        sqlx::query(concat!(
-            "WITH ",
-            release_ended!("true"),
-            " SELECT count(*) FROM released"
-        ))
-        .bind(&ids)
-        .bind(&reasons)
-        .bind(&agos)
-        .execute(&mut *tx)
-        .await?;
+        for e in ended {
+            release_permit_in(&mut tx, e.permit, e.reason, e.ended).await?;
+        }
         tx.commit().await?;
         Ok(())
     }
@@ -444,18 +422,6 @@ pub(crate) async fn begin_invocation_with_permit_in(
     let version = crate::leases::begin_invocation_in(&mut *conn, claim).await?;
     let permit = acquire_permit_in(&mut *conn, req).await?;
     Ok((permit, version))
-}
-
-/// The bind values of [`release_ended!`].
-fn ended_arrays(ended: &[EndedPermit]) -> (Vec<Uuid>, Vec<String>, Vec<i64>) {
-    (
-        ended.iter().map(|e| e.permit).collect(),
-        ended.iter().map(|e| e.reason.to_owned()).collect(),
-        ended
-            .iter()
-            .map(|e| i64::try_from(e.ended.elapsed().as_micros()).unwrap_or(i64::MAX))
-            .collect(),
-    )
 }
 
 /// The statement of [`Store::acquire_permit`], on the caller's connection or transaction

@@ -79,22 +79,29 @@ impl Store {
                                            attempt_id, input_digest, adapter_version,
                                            request_identity, external_reference, result, ord)
              ), f AS (
+                 -- each step row looked up by its key and locked, in step order, and matched
+                 -- on its newest version; said of the join, the lease's state would lead the
+                 -- planner to the partial index of leased steps, through every lease ended
+                 -- since it was last vacuumed
                  SELECT s.id, s.workflow_id, s.adapter, s.checkpoint_version + 1 AS version,
                         i.receipt_id, i.lease_version, i.owner, i.attempt_id, i.input_digest,
                         i.adapter_version, i.request_identity, i.external_reference, i.result,
                         i.ord
-                 FROM steps s JOIN i ON i.step_id = s.id
-                 WHERE s.lease_version = i.lease_version AND s.lease_owner = i.owner
-                   AND s.state = 'leased' AND s.expires_at > now()
-                   AND s.current_attempt_id = i.attempt_id
-                   AND s.request_identity = i.request_identity
-                   AND s.input_digest = i.input_digest
-                   AND (SELECT w.state FROM workflows w WHERE w.id = s.workflow_id) = 'running'
+                 FROM (SELECT * FROM i ORDER BY step_id) i
+                 CROSS JOIN LATERAL (
+                     SELECT s.* FROM steps s
+                     WHERE s.id = i.step_id AND s.lease_version = i.lease_version
+                       AND s.lease_owner = i.owner
+                       AND s.state = 'leased' AND s.expires_at > now()
+                       AND s.current_attempt_id = i.attempt_id
+                       AND s.request_identity = i.request_identity
+                       AND s.input_digest = i.input_digest
+                     FOR NO KEY UPDATE OF s
+                 ) s
+                 WHERE (SELECT w.state FROM workflows w WHERE w.id = s.workflow_id) = 'running'
                    AND (SELECT a.checkpoint FROM attempts a WHERE a.id = s.current_attempt_id)
                        = 'invocation_began'
                    AND NOT EXISTS (SELECT 1 FROM step_dependencies d WHERE d.depends_on = s.id)
-                 ORDER BY s.id
-                 FOR NO KEY UPDATE OF s
              ), r AS (
                  INSERT INTO step_receipts (id, step_id, workflow_id, attempt_id, lease_version,
                      input_digest, adapter, adapter_version, request_identity,
@@ -109,12 +116,12 @@ impl Store {
                  SET checkpoint = 'receipt_committed', state = 'succeeded',
                      response_observed_at = now(), observed_result = f.result,
                      adapter_version = f.adapter_version, updated_at = now()
-                 FROM f WHERE a.id = f.attempt_id
+                 FROM f WHERE a.id = ANY ($5::uuid[]) AND a.id = f.attempt_id
              ), s AS (
                  UPDATE steps s
                  SET state = 'completed', lease_owner = NULL, leased_at = NULL,
                      expires_at = NULL, checkpoint_version = f.version, updated_at = now()
-                 FROM f WHERE s.id = f.id
+                 FROM f WHERE s.id = ANY ($2::uuid[]) AND s.id = f.id
              ), e AS (
                  INSERT INTO step_events (workflow_id, step_id, attempt_id, lease_version, owner,
                                           kind, detail)

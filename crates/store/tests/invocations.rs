@@ -51,7 +51,7 @@ async fn each_condition_alone_keeps_the_invocation_and_its_permit_out(pool: PgPo
 
     // one permit held by an earlier call that has ended, to be released by the next one
     let (earlier, _) = store
-        .begin_invocation_with_permit_at_once(&full.lease, &req(full), &[])
+        .begin_invocation_with_permit_at_once(&full.lease, &req(full), None)
         .await
         .unwrap()
         .expect("a free slot, a current lease: at once");
@@ -80,7 +80,7 @@ async fn each_condition_alone_keeps_the_invocation_and_its_permit_out(pool: PgPo
     ];
     for (why, lease, step) in &cases {
         let at_once = store
-            .begin_invocation_with_permit_at_once(lease, &req(step), &ended)
+            .begin_invocation_with_permit_at_once(lease, &req(step), ended.first())
             .await
             .unwrap();
         assert!(at_once.is_none(), "{why}: not at once");
@@ -96,7 +96,7 @@ async fn each_condition_alone_keeps_the_invocation_and_its_permit_out(pool: PgPo
     holder.gateway = "gw-b";
     let blocker = store.acquire_permit(&holder).await.unwrap();
     let at_once = store
-        .begin_invocation_with_permit_at_once(&c.lease, &req(c), &[])
+        .begin_invocation_with_permit_at_once(&c.lease, &req(c), None)
         .await
         .unwrap();
     assert!(at_once.is_none(), "no free slot: not at once");
@@ -110,7 +110,7 @@ async fn each_condition_alone_keeps_the_invocation_and_its_permit_out(pool: PgPo
     // and the lease as it is: the invocation, its permit and the ended permit's release, in
     // one transaction
     let (permit, version) = store
-        .begin_invocation_with_permit_at_once(&c.lease, &req(c), &ended)
+        .begin_invocation_with_permit_at_once(&c.lease, &req(c), ended.first())
         .await
         .unwrap()
         .expect("at once");
