@@ -32,9 +32,10 @@ pub struct ExecutorConfig {
     pub committers: usize,
     /// Most writes in one group.
     pub max_group: usize,
-    /// Receipts of attempts that finish together share one statement, up to this many (each
-    /// row fenced on its own; a receipt that statement cannot take, such as a failure or one
-    /// with dependents, takes a transaction of its own). 1: one statement per receipt.
+    /// Receipt batching: receipts of attempts that finish together share one statement, up to
+    /// this many (each row fenced on its own; a receipt that statement cannot take, such as a
+    /// failure or one with dependents, takes its own transaction). 1 (the default): off, every
+    /// receipt is its own transaction. Ignored under group commit, which covers receipts.
     pub receipt_batch: usize,
     /// Connections writing shared receipt statements at once.
     pub receipt_committers: usize,
@@ -78,7 +79,7 @@ impl Default for ExecutorConfig {
             group_commit: false,
             committers: 2,
             max_group: 64,
-            receipt_batch: 32,
+            receipt_batch: 1,
             receipt_committers: 4,
             shutdown_grace_ms: 10_000,
             metrics_listen: None,

@@ -75,8 +75,8 @@ pub async fn run(config: ExecutorConfig, shutdown: CancellationToken) -> anyhow:
     let commits = config.group_commit.then(|| {
         z29c_store::batch::GroupCommit::start(&store, config.committers, config.max_group)
     });
-    // group commit covers receipts too; otherwise receipts finishing together share statements
-    // (with a batch of 1, each attempt writes its own statement on its own connection)
+    // receipt batching, when on: receipts finishing together share statements (group commit
+    // covers receipts itself)
     let receipts = (!config.group_commit && config.receipt_batch > 1).then(|| {
         z29c_store::receipts::ReceiptBatches::start(
             &store,

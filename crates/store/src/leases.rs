@@ -381,28 +381,7 @@ impl Store {
     /// Commits *response observed*, the step receipt (verification `direct`), the release of
     /// dependents and the outbox event in one fenced transaction. A step that already has its
     /// receipt is [`StoreError::Conflict`]; a stale lease is [`StoreError::Fenced`].
-    ///
-    /// The common receipt (a success on a step nothing waits for, in a running workflow) is
-    /// one statement without a transaction around it ([`Store::commit_receipts`]); any other,
-    /// and any that statement could not take, is this transaction.
     pub async fn commit_receipt(&self, claim: &LeaseClaim, observed: &Observed) -> Result<Receipt> {
-        if let Some(receipt) = self
-            .commit_receipts(&[(claim, observed)])
-            .await?
-            .pop()
-            .flatten()
-        {
-            return Ok(receipt);
-        }
-        self.commit_receipt_in_transaction(claim, observed).await
-    }
-
-    /// [`Store::commit_receipt`]'s transaction: the fence, then the receipt and what follows.
-    async fn commit_receipt_in_transaction(
-        &self,
-        claim: &LeaseClaim,
-        observed: &Observed,
-    ) -> Result<Receipt> {
         let mut tx = self.begin().await?;
         let out = commit_receipt_in(&mut tx, claim, observed).await?;
         tx.commit().await?;
@@ -417,18 +396,6 @@ impl Store {
         observed: &Observed,
     ) -> Result<CommitOutcome> {
         let committed = self.commit_receipt(claim, observed).await;
-        self.keep_late_unless_committed(claim, observed, committed)
-            .await
-    }
-
-    /// [`Store::commit_or_keep_late`] for a receipt that the one-statement path has already
-    /// passed over ([`crate::receipts::ReceiptBatches`]): its transaction alone.
-    pub async fn commit_or_keep_late_in_transaction(
-        &self,
-        claim: &LeaseClaim,
-        observed: &Observed,
-    ) -> Result<CommitOutcome> {
-        let committed = self.commit_receipt_in_transaction(claim, observed).await;
         self.keep_late_unless_committed(claim, observed, committed)
             .await
     }

@@ -7,7 +7,6 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use serde::Serialize;
-use sqlx::FromRow;
 use uuid::Uuid;
 use z29c_core::{AttemptId, LeaseClaim, RequestIdentity};
 
@@ -180,150 +179,16 @@ impl Store {
     /// (so their slots are free for this one): a gateway's releases ride on its next permit
     /// instead of a `COMMIT` each. If this transaction fails they are not released; the caller
     /// keeps them for the next try.
-    ///
-    /// The common case (an execution lease, current, its workflow running, a slot free in this
-    /// statement's snapshot) is one statement without `BEGIN` or `COMMIT`
-    /// ([`Store::begin_invocation_with_permit_at_once`]); anything else is a transaction that says why.
     pub async fn begin_invocation_with_permit(
         &self,
         claim: &LeaseClaim,
         req: &PermitRequest<'_>,
         ended: &[EndedPermit],
     ) -> Result<(Permit, i64)> {
-        // a statement that releases one ended permit at most: its release is looked up by
-        // key, as the transaction's is (an array of them leads a plan made while the table was
-        // small through every permit)
-        if let [] | [_] = ended
-            && let Some(done) = self
-                .begin_invocation_with_permit_at_once(claim, req, ended.first())
-                .await?
-        {
-            return Ok(done);
-        }
         let mut tx = self.begin().await?;
         let out = begin_invocation_with_permit_in(&mut tx, claim, req, ended).await?;
         tx.commit().await?;
         Ok(out)
-    }
-
-    /// [`Store::begin_invocation_with_permit`] in one statement, committed on its own: the ended
-    /// permits' release, the fence of *invocation began* with its attempt's checkpoint and event,
-    /// and a free slot's permit. Each write waits on the others: the fence only matches while a
-    /// slot is free (locked, `SKIP LOCKED`, and re-checked on its newest version), and the slot is
-    /// only taken when the fence matched. Only for what the transaction would commit anyway: an
-    /// execution lease whose attempt is at *request identity persisted*, in a running workflow;
-    /// `None` when the statement wrote nothing (the ended permits are released only with the
-    /// invocation, as in the transaction), and the transaction then says why.
-    pub async fn begin_invocation_with_permit_at_once(
-        &self,
-        claim: &LeaseClaim,
-        req: &PermitRequest<'_>,
-        ended: Option<&EndedPermit>,
-    ) -> Result<Option<(Permit, i64)>> {
-        if claim.kind != z29c_core::LeaseKind::Execution
-            || crate::faults::is_armed(crate::faults::CrashPoint::before(
-                z29c_core::Checkpoint::InvocationBegan,
-            ))
-        {
-            return Ok(None);
-        }
-        let ago = ended.map(|e| i64::try_from(e.ended.elapsed().as_micros()).unwrap_or(i64::MAX));
-        let row = sqlx::query(concat!(
-            // every slot is named by its whole key, and the search starts at a random slot, as in
-            // take_free_slot; a slot whose permit this statement releases is left alone
-            "WITH lim AS (
-             SELECT max_in_flight AS n, floor(random() * max_in_flight)::int AS start
-             FROM adapter_limits WHERE adapter = $4 AND operation_class = $5
-         ), free AS (
-             SELECT coalesce(
-                 (SELECT slot FROM adapter_permit_slots
-                  WHERE adapter = $4 AND operation_class = $5
-                    AND slot >= (SELECT start FROM lim) AND slot < (SELECT n FROM lim)
-                    AND (permit_id IS NULL OR (expires_at <= clock_timestamp()
-                                               AND permit_id IS DISTINCT FROM $1))
-                  ORDER BY slot LIMIT 1
-                  FOR UPDATE SKIP LOCKED),
-                 (SELECT slot FROM adapter_permit_slots
-                  WHERE adapter = $4 AND operation_class = $5
-                    AND slot < (SELECT start FROM lim)
-                    AND (permit_id IS NULL OR (expires_at <= clock_timestamp()
-                                               AND permit_id IS DISTINCT FROM $1))
-                  ORDER BY slot LIMIT 1
-                  FOR UPDATE SKIP LOCKED)) AS slot
-         ), f AS (
-             UPDATE steps s
-             SET checkpoint_version = s.checkpoint_version + 1, updated_at = now()
-             WHERE s.id = $6 AND s.lease_version = $7 AND s.lease_owner = $8
-               AND s.state = 'leased' AND s.expires_at > now() AND s.current_attempt_id = $9
-               AND (SELECT slot FROM free) IS NOT NULL
-               AND (SELECT w.state FROM workflows w WHERE w.id = s.workflow_id) = 'running'
-               AND (SELECT a.checkpoint FROM attempts a WHERE a.id = s.current_attempt_id)
-                   = 'request_identity_persisted'
-             RETURNING s.workflow_id, s.checkpoint_version
-         ), a AS (
-             UPDATE attempts SET checkpoint = 'invocation_began', invocation_began_at = now(),
-                                 updated_at = now()
-             WHERE id = $9 AND EXISTS (SELECT 1 FROM f)
-         ), e AS (
-             INSERT INTO step_events (workflow_id, step_id, attempt_id, lease_version, owner,
-                                      kind, detail)
-             SELECT f.workflow_id, $6, $9, $7, $8, $10,
-                    jsonb_build_object('checkpoint', 'invocation_began',
-                                       'checkpoint_version', f.checkpoint_version)
-             FROM f
-         ), taken AS (
-             UPDATE adapter_permit_slots
-             SET permit_id = $11,
-                 expires_at = clock_timestamp() + $14::bigint * interval '1 millisecond'
-             WHERE adapter = $4 AND operation_class = $5 AND slot = (SELECT slot FROM free)
-               AND EXISTS (SELECT 1 FROM f)
-             RETURNING slot, expires_at
-         ), p AS (
-             INSERT INTO adapter_permits (id, adapter, operation_class, attempt_id,
-                 request_identity, gateway, expires_at, slot)
-             SELECT $11, $4, $5, $9, $12, $13, expires_at, slot FROM taken
-             RETURNING ",
-            permit_columns!(),
-            "
-         ), released AS (
-             -- the ended permit is released only with the invocation, as in the transaction
-             UPDATE adapter_permits
-             SET state = 'released',
-                 released_at = greatest(acquired_at,
-                                        clock_timestamp() - $3 * interval '1 microsecond'),
-                 release_reason = $2
-             WHERE id = $1 AND state <> 'released' AND EXISTS (SELECT 1 FROM f)
-             RETURNING adapter, operation_class, slot
-         ), freed AS (
-             UPDATE adapter_permit_slots SET permit_id = NULL, expires_at = NULL
-             WHERE adapter = (SELECT adapter FROM released)
-               AND operation_class = (SELECT operation_class FROM released)
-               AND slot = (SELECT slot FROM released) AND permit_id = $1
-         )
-         SELECT p.*, f.checkpoint_version FROM p, f"
-        ))
-        .bind(ended.map(|e| e.permit))
-        .bind(ended.map(|e| e.reason))
-        .bind(ago)
-        .bind(req.adapter)
-        .bind(req.operation_class)
-        .bind(claim.step.as_uuid())
-        .bind(claim.version.get())
-        .bind(claim.owner.as_str())
-        .bind(claim.attempt.as_uuid())
-        .bind(crate::events::EventKind::Checkpoint.as_str())
-        .bind(Uuid::now_v7())
-        .bind(req.request_identity.as_str())
-        .bind(req.gateway)
-        .bind(millis(req.hold))
-        .fetch_optional(self.pool())
-        .await?;
-        let Some(row) = row else {
-            return Ok(None);
-        };
-        let permit = Permit::from_row(&row)?;
-        let version: i64 = sqlx::Row::try_get(&row, "checkpoint_version")?;
-        Ok(Some((permit, version)))
     }
 
     /// Releases a permit on a known outcome (or after resolution). Releasing twice is a no-op.

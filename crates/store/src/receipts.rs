@@ -1,15 +1,17 @@
-//! Receipts of many attempts in one statement.
+//! Receipts of many attempts in one statement: batching, off unless an executor's
+//! `receipt_batch` is above 1 (see the README's Performance section for what it did and did
+//! not buy on a 2-core machine).
 //!
 //! The common receipt — a success, the attempt's own answer, under a lease that is current, on
-//! a step nothing waits for, in a running workflow — is one statement with no `BEGIN` or
+//! a step nothing waits for, in a running workflow — can be one statement with no `BEGIN` or
 //! `COMMIT` around it: the fence, the receipt, the attempt's end, the step's end, its events
 //! and messages, and the workflow's completion. Receipts of concurrently finishing attempts
 //! share that statement ([`ReceiptBatches`]): one round trip, one plan and one `COMMIT` for
 //! all of them, each row fenced on its own.
 //!
 //! A row whose fence or preconditions do not hold writes nothing and is answered `None`; its
-//! attempt then takes the transaction of [`Store::commit_or_keep_late_in_transaction`], which
-//! says exactly why (or commits it: a failure, a step with dependents, a workflow no longer
+//! attempt then takes the transaction of [`Store::commit_or_keep_late`] (every receipt's, when
+//! batching is off), which says exactly why (or commits it: a failure, a step with dependents, a workflow no longer
 //! running). So this path only ever commits what that one would, and never refuses anything
 //! on its own.
 
@@ -262,9 +264,7 @@ impl ReceiptBatches {
                 return Ok(CommitOutcome::Committed(receipt));
             }
         }
-        self.store
-            .commit_or_keep_late_in_transaction(claim, observed)
-            .await
+        self.store.commit_or_keep_late(claim, observed).await
     }
 }
 

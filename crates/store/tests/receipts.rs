@@ -97,7 +97,7 @@ async fn the_shared_statement_writes_what_the_receipts_own_transaction_writes(po
         .unwrap();
     assert!(shared[0].is_some(), "a current success is written there");
     let alone = store
-        .commit_or_keep_late_in_transaction(&b.lease, &success(b, "dest-b"))
+        .commit_or_keep_late(&b.lease, &success(b, "dest-b"))
         .await
         .unwrap();
     assert!(matches!(alone, CommitOutcome::Committed(_)));
@@ -194,12 +194,12 @@ async fn many_receipts_share_one_statement_and_each_is_fenced_on_its_own(pool: P
 
     // the ones left over take their own transactions and end as they always did
     let late = store
-        .commit_or_keep_late_in_transaction(&stale.lease, &observed[1])
+        .commit_or_keep_late(&stale.lease, &observed[1])
         .await
         .unwrap();
     assert!(matches!(late, CommitOutcome::Late { .. }), "{late:?}");
     let conflict = store
-        .commit_or_keep_late_in_transaction(&claimed[2].lease, &foreign)
+        .commit_or_keep_late(&claimed[2].lease, &foreign)
         .await
         .unwrap();
     assert!(
@@ -207,7 +207,7 @@ async fn many_receipts_share_one_statement_and_each_is_fenced_on_its_own(pool: P
         "another request's observation is kept as evidence, not as the receipt: {conflict:?}"
     );
     let failure = store
-        .commit_or_keep_late_in_transaction(&claimed[4].lease, &failed)
+        .commit_or_keep_late(&claimed[4].lease, &failed)
         .await
         .unwrap();
     assert!(matches!(failure, CommitOutcome::Committed(_)));
