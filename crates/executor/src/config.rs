@@ -34,10 +34,11 @@ pub struct ExecutorConfig {
     pub max_group: usize,
     /// Receipt batching: receipts of attempts that finish together share one statement, up to
     /// this many (each row fenced on its own; a receipt that statement cannot take, such as a
-    /// failure or one with dependents, takes its own transaction). 1 (the default): off, every
-    /// receipt is its own transaction. Ignored under group commit, which covers receipts.
+    /// failure or one with dependents, takes its own transaction). 1: off, every receipt is its
+    /// own transaction. Ignored under group commit, which covers receipts.
     pub receipt_batch: usize,
-    /// Connections writing shared receipt statements at once.
+    /// Connections writing shared receipt statements at once (a pool of their own, beside
+    /// `max_connections`).
     pub receipt_committers: usize,
     /// Time given to attempts in flight after a shutdown signal.
     pub shutdown_grace_ms: u64,
@@ -79,8 +80,8 @@ impl Default for ExecutorConfig {
             group_commit: false,
             committers: 2,
             max_group: 64,
-            receipt_batch: 1,
-            receipt_committers: 4,
+            receipt_batch: 32,
+            receipt_committers: 2,
             shutdown_grace_ms: 10_000,
             metrics_listen: None,
             health_listen: None,

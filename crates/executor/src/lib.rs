@@ -77,13 +77,21 @@ pub async fn run(config: ExecutorConfig, shutdown: CancellationToken) -> anyhow:
     });
     // receipt batching, when on: receipts finishing together share statements (group commit
     // covers receipts itself)
-    let receipts = (!config.group_commit && config.receipt_batch > 1).then(|| {
-        z29c_store::receipts::ReceiptBatches::start(
+    let receipts = match !config.group_commit && config.receipt_batch > 1 {
+        true => Some(z29c_store::receipts::ReceiptBatches::start(
+            &Store::connect_with(
+                &config.database_url,
+                config.receipt_committers as u32,
+                z29c_store::receipts::SESSION_SETTINGS,
+            )
+            .await
+            .context("connect the receipt committers to PostgreSQL")?,
             &store,
             config.receipt_committers,
             config.receipt_batch,
-        )
-    });
+        )),
+        false => None,
+    };
     let wake = Arc::new(Notify::new());
     let hints = tokio::spawn(listen_for_hints(
         bus.clone(),

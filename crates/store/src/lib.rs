@@ -73,8 +73,22 @@ impl Store {
     /// is retried with capped, jittered backoff for up to [`CONNECT_PATIENCE`], so services may
     /// start in any order; a wrong URL or bad credentials fail at once.
     pub async fn connect(url: &str, max_connections: u32) -> Result<Self> {
+        Self::connect_with(url, max_connections, &[]).await
+    }
+
+    /// [`Store::connect`], with server settings for every session of the pool (startup
+    /// options, e.g. `("enable_seqscan", "off")` for a pool whose statements only look rows
+    /// up by key).
+    pub async fn connect_with(
+        url: &str,
+        max_connections: u32,
+        settings: &[(&str, &str)],
+    ) -> Result<Self> {
         use backon::Retryable;
-        let options: PgConnectOptions = url.parse::<PgConnectOptions>()?.application_name("z29c");
+        let options: PgConnectOptions = url
+            .parse::<PgConnectOptions>()?
+            .application_name("z29c")
+            .options(settings.iter().copied());
         let connect = || {
             PgPoolOptions::new()
                 .max_connections(max_connections)

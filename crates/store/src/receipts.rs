@@ -1,6 +1,5 @@
-//! Receipts of many attempts in one statement: batching, off unless an executor's
-//! `receipt_batch` is above 1 (see the README's Performance section for what it did and did
-//! not buy on a 2-core machine).
+//! Receipts of many attempts in one statement: the executor's receipt batching (on unless
+//! its `receipt_batch` is 1; the README's Performance section has what it bought).
 //!
 //! The common receipt — a success, the attempt's own answer, under a lease that is current, on
 //! a step nothing waits for, in a running workflow — can be one statement with no `BEGIN` or
@@ -10,7 +9,7 @@
 //! all of them, each row fenced on its own.
 //!
 //! A row whose fence or preconditions do not hold writes nothing and is answered `None`; its
-//! attempt then takes the transaction of [`Store::commit_or_keep_late`] (every receipt's, when
+//! attempt then takes the transaction of [`Store::commit_or_keep_late`] (every receipt's when
 //! batching is off), which says exactly why (or commits it: a failure, a step with dependents, a workflow no longer
 //! running). So this path only ever commits what that one would, and never refuses anything
 //! on its own.
@@ -203,6 +202,14 @@ impl Store {
     }
 }
 
+/// Settings for the sessions that run [`Store::commit_receipts`] for [`ReceiptBatches`]
+/// ([`Store::connect_with`]). The statement looks every row up by key, and a session keeps
+/// the generic plan it made once: made while a table was small (a fresh database, or a server
+/// that never analyses), it would scan that table for good (seen in `auto_explain`: a
+/// sequential scan of `workflows` in 51 of 77 logged plans). So these sessions never plan a
+/// sequential scan.
+pub const SESSION_SETTINGS: &[(&str, &str)] = &[("enable_seqscan", "off")];
+
 /// A receipt waiting for the next shared statement.
 struct Waiting {
     claim: LeaseClaim,
@@ -227,12 +234,14 @@ impl std::fmt::Debug for ReceiptBatches {
 }
 
 impl ReceiptBatches {
-    /// Starts `committers` tasks, each writing up to `max_batch` receipts per statement.
-    pub fn start(store: &Store, committers: usize, max_batch: usize) -> Self {
+    /// Starts `committers` tasks, each writing up to `max_batch` receipts per statement on
+    /// `batches` (a pool with [`SESSION_SETTINGS`]); a receipt the statement cannot take goes
+    /// to its transaction on `store`.
+    pub fn start(batches: &Store, store: &Store, committers: usize, max_batch: usize) -> Self {
         let (waiting, rx) = mpsc::channel::<Waiting>(1_024);
         let rx = Arc::new(Mutex::new(rx));
         for _ in 0..committers.max(1) {
-            tokio::spawn(committer(store.clone(), rx.clone(), max_batch.max(1)));
+            tokio::spawn(committer(batches.clone(), rx.clone(), max_batch.max(1)));
         }
         Self {
             store: store.clone(),

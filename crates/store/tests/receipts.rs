@@ -302,7 +302,7 @@ async fn concurrent_receipts_go_through_batches_and_a_stale_one_is_kept_as_evide
     let claimed = claimed_and_begun(&store, STEPS).await;
     let stale = claimed[5].clone();
     let _recovery = take_over(&store, &pool, &stale).await;
-    let batches = ReceiptBatches::start(&store, 2, 16);
+    let batches = ReceiptBatches::start(&store, &store, 2, 16);
     let mut tasks = tokio::task::JoinSet::new();
     for c in claimed {
         let batches = batches.clone();
