@@ -274,10 +274,7 @@ async fn a_step_with_dependents_or_a_stopped_workflow_takes_the_transaction(pool
         answers.iter().all(Option::is_none),
         "neither is written here"
     );
-    let receipts: i64 = sqlx::query_scalar("SELECT count(*) FROM step_receipts")
-        .fetch_one(&pool)
-        .await
-        .unwrap();
+    let (receipts, _) = transactions(&pool).await;
     assert_eq!(receipts, 0);
     // the receipt's own transaction releases the dependent, and records the cancelled
     // workflow's in-flight outcome
