@@ -42,6 +42,15 @@ pub struct GatewayConfig {
     pub committers: usize,
     /// Most permit writes in one group.
     pub max_group: usize,
+    /// Invocation batching: *invocation began* and the permits of calls that arrive together
+    /// share one statement, up to this many (each call fenced on its own; a call that
+    /// statement cannot take, such as one whose lease is not current or whose class is full,
+    /// takes its own transaction, which says why). 1: off, every call is its own transaction.
+    /// Ignored under group commit.
+    pub invocation_batch: usize,
+    /// Connections writing shared invocation statements at once (a pool of their own, beside
+    /// `max_connections`).
+    pub invocation_committers: usize,
     /// How long the permit of an ended call may wait to be released by this gateway's next
     /// permit transaction before it is released on its own (0: at once, a `COMMIT` each).
     /// Waiting only ever holds capacity a little longer, never less.
@@ -81,6 +90,8 @@ impl Default for GatewayConfig {
             group_commit: false,
             committers: 1,
             max_group: 64,
+            invocation_batch: 32,
+            invocation_committers: 2,
             release_linger_ms: 5,
             tls: Default::default(),
             grpc: z29c_runtime::ServerLimits {

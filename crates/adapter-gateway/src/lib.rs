@@ -126,7 +126,24 @@ pub async fn run(
         bus.clone(),
         shutdown.clone(),
     );
-    let service = service::Gateway::new(config.clone(), store);
+    // invocation batching, when on: calls arriving together begin in shared statements, on a
+    // pool whose sessions never plan a sequential scan (group commit covers them itself)
+    let invocations = match !config.group_commit && config.invocation_batch > 1 {
+        true => Some(z29c_store::invocations::InvocationBatches::start(
+            &Store::connect_with(
+                &config.database_url,
+                config.invocation_committers as u32,
+                z29c_store::receipts::SESSION_SETTINGS,
+            )
+            .await
+            .context("connect the invocation committers to PostgreSQL")?,
+            &store,
+            config.invocation_committers,
+            config.invocation_batch,
+        )),
+        false => None,
+    };
+    let service = service::Gateway::new(config.clone(), store, invocations);
     // stopped after the server, which lets calls in flight finish first: their permits are
     // released too
     let serving_done = CancellationToken::new();

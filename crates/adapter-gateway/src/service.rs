@@ -17,6 +17,7 @@ use z29c_proto::v1::{
 use z29c_runtime::status_from_store;
 use z29c_store::batch::GroupCommit;
 use z29c_store::faults::{CrashPoint, crash_if_armed};
+use z29c_store::invocations::InvocationBatches;
 use z29c_store::permits::{EndedPermit, Permit, PermitRequest};
 use z29c_store::{Store, StoreError};
 
@@ -36,6 +37,8 @@ pub struct Gateway {
     store: Store,
     /// Group commit for permits, when on.
     commits: Option<GroupCommit>,
+    /// Shared statements for *invocation began*, when on (and group commit is off).
+    invocations: Option<InvocationBatches>,
     client: reqwest::Client,
     /// This instance's own capacity: calls it runs at once (`max_calls`). The adapter's
     /// permit limit bounds all instances together; this bounds one, so another instance adds
@@ -51,7 +54,11 @@ pub struct Gateway {
 }
 
 impl Gateway {
-    pub fn new(config: GatewayConfig, store: Store) -> Self {
+    pub fn new(
+        config: GatewayConfig,
+        store: Store,
+        invocations: Option<InvocationBatches>,
+    ) -> Self {
         let commits = config
             .group_commit
             .then(|| GroupCommit::start(&store, config.committers, config.max_group));
@@ -60,6 +67,7 @@ impl Gateway {
             config,
             store,
             commits,
+            invocations,
             client: reqwest::Client::new(),
             calls,
             ended: Arc::default(),
@@ -344,9 +352,10 @@ impl Gateway {
                 (commits, Some(l)) => {
                     // the ended calls' permits are released in this transaction, or kept
                     let ended = self.take_ended();
-                    let taken = match commits {
-                        Some(g) => g.begin_invocation_with_permit(l, req, &ended).await,
-                        None => {
+                    let taken = match (commits, &self.invocations) {
+                        (Some(g), _) => g.begin_invocation_with_permit(l, req, &ended).await,
+                        (None, Some(b)) => b.begin_invocation_with_permit(l, req, &ended).await,
+                        (None, None) => {
                             self.store
                                 .begin_invocation_with_permit(l, req, &ended)
                                 .await

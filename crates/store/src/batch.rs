@@ -220,7 +220,7 @@ impl GroupCommit {
 }
 
 /// A [`PermitRequest`] that can move into a write.
-struct OwnedPermitRequest {
+pub(crate) struct OwnedPermitRequest {
     adapter: String,
     operation_class: String,
     attempt: Option<AttemptId>,
@@ -230,7 +230,7 @@ struct OwnedPermitRequest {
 }
 
 impl OwnedPermitRequest {
-    fn from(req: &PermitRequest<'_>) -> Self {
+    pub(crate) fn from(req: &PermitRequest<'_>) -> Self {
         Self {
             adapter: req.adapter.to_owned(),
             operation_class: req.operation_class.to_owned(),
@@ -241,7 +241,7 @@ impl OwnedPermitRequest {
         }
     }
 
-    fn borrow(&self) -> PermitRequest<'_> {
+    pub(crate) fn borrow(&self) -> PermitRequest<'_> {
         PermitRequest {
             adapter: &self.adapter,
             operation_class: &self.operation_class,

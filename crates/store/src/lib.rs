@@ -21,6 +21,7 @@ pub mod batch;
 pub mod error;
 pub mod events;
 pub mod faults;
+pub mod invocations;
 pub mod leases;
 pub mod outbox;
 pub mod permits;
@@ -30,6 +31,7 @@ pub mod review;
 pub mod workflows;
 
 mod fence;
+mod shared;
 
 use std::time::Duration;
 

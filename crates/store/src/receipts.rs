@@ -14,11 +14,8 @@
 //! running). So this path only ever commits what that one would, and never refuses anything
 //! on its own.
 
-use std::sync::Arc;
-
 use serde_json::json;
 use sqlx::FromRow;
-use tokio::sync::{Mutex, mpsc, oneshot};
 use uuid::Uuid;
 use z29c_core::{
     Checkpoint, ExternalReference, LeaseClaim, LeaseKind, Outcome, Verification, WorkflowState,
@@ -28,6 +25,7 @@ use crate::events::EventKind;
 use crate::faults::{self, CrashPoint};
 use crate::leases::{CommitOutcome, Observed};
 use crate::outbox::MessageKind;
+use crate::shared::Shared;
 use crate::workflows::{Receipt, ReceiptRow, receipt_columns};
 use crate::{Result, Store};
 
@@ -210,13 +208,6 @@ impl Store {
 /// sequential scan.
 pub const SESSION_SETTINGS: &[(&str, &str)] = &[("enable_seqscan", "off")];
 
-/// A receipt waiting for the next shared statement.
-struct Waiting {
-    claim: LeaseClaim,
-    observed: Observed,
-    answer: oneshot::Sender<Option<Receipt>>,
-}
-
 /// Committers that write the receipts of concurrently finishing attempts in shared statements
 /// ([`Store::commit_receipts`]). A batch is whatever is waiting when a committer is free (no
 /// timer), so a lone receipt waits for nothing. Cheap to clone; committers stop when every
@@ -224,7 +215,7 @@ struct Waiting {
 #[derive(Clone)]
 pub struct ReceiptBatches {
     store: Store,
-    waiting: mpsc::Sender<Waiting>,
+    shared: Shared<(LeaseClaim, Observed), Option<Receipt>>,
 }
 
 impl std::fmt::Debug for ReceiptBatches {
@@ -238,14 +229,26 @@ impl ReceiptBatches {
     /// `batches` (a pool with [`SESSION_SETTINGS`]); a receipt the statement cannot take goes
     /// to its transaction on `store`.
     pub fn start(batches: &Store, store: &Store, committers: usize, max_batch: usize) -> Self {
-        let (waiting, rx) = mpsc::channel::<Waiting>(1_024);
-        let rx = Arc::new(Mutex::new(rx));
-        for _ in 0..committers.max(1) {
-            tokio::spawn(committer(batches.clone(), rx.clone(), max_batch.max(1)));
-        }
+        let batches = batches.clone();
+        let shared = Shared::start(
+            committers,
+            max_batch,
+            move |batch: Vec<(LeaseClaim, Observed)>| {
+                let store = batches.clone();
+                async move {
+                    let rows: Vec<(&LeaseClaim, &Observed)> =
+                        batch.iter().map(|(c, o)| (c, o)).collect();
+                    // a failed statement wrote nothing: each receipt goes its own way
+                    store.commit_receipts(&rows).await.unwrap_or_else(|e| {
+                    tracing::warn!(error = %e, receipts = rows.len(), "shared receipt statement failed; each commits on its own");
+                    vec![None; rows.len()]
+                })
+                }
+            },
+        );
         Self {
             store: store.clone(),
-            waiting,
+            shared,
         }
     }
 
@@ -257,48 +260,11 @@ impl ReceiptBatches {
         claim: &LeaseClaim,
         observed: &Observed,
     ) -> Result<CommitOutcome> {
-        if eligible(claim, observed) {
-            let (answer, answered) = oneshot::channel();
-            let sent = self
-                .waiting
-                .send(Waiting {
-                    claim: claim.clone(),
-                    observed: observed.clone(),
-                    answer,
-                })
-                .await;
-            if sent.is_ok()
-                && let Ok(Some(receipt)) = answered.await
-            {
-                return Ok(CommitOutcome::Committed(receipt));
-            }
+        if eligible(claim, observed)
+            && let Some(Some(receipt)) = self.shared.ask((claim.clone(), observed.clone())).await
+        {
+            return Ok(CommitOutcome::Committed(receipt));
         }
         self.store.commit_or_keep_late(claim, observed).await
-    }
-}
-
-async fn committer(store: Store, rx: Arc<Mutex<mpsc::Receiver<Waiting>>>, max: usize) {
-    loop {
-        let mut batch = Vec::with_capacity(max);
-        {
-            let mut rx = rx.lock().await;
-            if rx.recv_many(&mut batch, max).await == 0 {
-                return; // every handle is gone
-            }
-        }
-        let rows: Vec<(&LeaseClaim, &Observed)> =
-            batch.iter().map(|w| (&w.claim, &w.observed)).collect();
-        // a failed statement wrote nothing: each receipt goes its own way
-        let answers = match store.commit_receipts(&rows).await {
-            Ok(a) => a,
-            Err(e) => {
-                tracing::warn!(error = %e, receipts = batch.len(), "shared receipt statement failed; each commits on its own");
-                vec![None; batch.len()]
-            }
-        };
-        drop(rows);
-        for (w, a) in batch.into_iter().zip(answers) {
-            let _ = w.answer.send(a);
-        }
     }
 }
