@@ -133,7 +133,7 @@ pub async fn run(
             &Store::connect_with(
                 &config.database_url,
                 config.invocation_committers as u32,
-                z29c_store::receipts::SESSION_SETTINGS,
+                z29c_store::BATCH_SESSION_SETTINGS,
             )
             .await
             .context("connect the invocation committers to PostgreSQL")?,

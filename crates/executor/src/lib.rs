@@ -82,7 +82,7 @@ pub async fn run(config: ExecutorConfig, shutdown: CancellationToken) -> anyhow:
             &Store::connect_with(
                 &config.database_url,
                 config.receipt_committers as u32,
-                z29c_store::receipts::SESSION_SETTINGS,
+                z29c_store::BATCH_SESSION_SETTINGS,
             )
             .await
             .context("connect the receipt committers to PostgreSQL")?,

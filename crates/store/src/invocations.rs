@@ -309,7 +309,7 @@ impl std::fmt::Debug for InvocationBatches {
 
 impl InvocationBatches {
     /// Starts `committers` tasks, each beginning up to `max_batch` calls per statement on
-    /// `batches` (a pool with [`crate::receipts::SESSION_SETTINGS`]); a call the statement
+    /// `batches` (a pool with [`crate::BATCH_SESSION_SETTINGS`]); a call the statement
     /// cannot take goes to its transaction on `store`.
     pub fn start(batches: &Store, store: &Store, committers: usize, max_batch: usize) -> Self {
         let batches = batches.clone();

@@ -200,14 +200,6 @@ impl Store {
     }
 }
 
-/// Settings for the sessions that run [`Store::commit_receipts`] for [`ReceiptBatches`]
-/// ([`Store::connect_with`]). The statement looks every row up by key, and a session keeps
-/// the generic plan it made once: made while a table was small (a fresh database, or a server
-/// that never analyses), it would scan that table for good (seen in `auto_explain`: a
-/// sequential scan of `workflows` in 51 of 77 logged plans). So these sessions never plan a
-/// sequential scan.
-pub const SESSION_SETTINGS: &[(&str, &str)] = &[("enable_seqscan", "off")];
-
 /// Committers that write the receipts of concurrently finishing attempts in shared statements
 /// ([`Store::commit_receipts`]). A batch is whatever is waiting when a committer is free (no
 /// timer), so a lone receipt waits for nothing. Cheap to clone; committers stop when every
@@ -226,7 +218,7 @@ impl std::fmt::Debug for ReceiptBatches {
 
 impl ReceiptBatches {
     /// Starts `committers` tasks, each writing up to `max_batch` receipts per statement on
-    /// `batches` (a pool with [`SESSION_SETTINGS`]); a receipt the statement cannot take goes
+    /// `batches` (a pool with [`crate::BATCH_SESSION_SETTINGS`]); a receipt the statement cannot take goes
     /// to its transaction on `store`.
     pub fn start(batches: &Store, store: &Store, committers: usize, max_batch: usize) -> Self {
         let batches = batches.clone();

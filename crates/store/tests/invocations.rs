@@ -114,7 +114,7 @@ async fn slots_taken(pool: &PgPool) -> i64 {
 
 #[sqlx::test(migrator = "MIGRATOR")]
 async fn the_shared_statement_writes_what_the_calls_own_transaction_writes(pool: PgPool) {
-    let store = Store::from_pool(pool.clone());
+    let store = batch_store(&pool).await;
     store.set_permit_limit("http", "deliver", 4).await.unwrap();
     let claimed = claimed(&store, 2).await;
     let (a, b) = (&claimed[0], &claimed[1]);
@@ -148,7 +148,7 @@ async fn the_shared_statement_writes_what_the_calls_own_transaction_writes(pool:
 
 #[sqlx::test(migrator = "MIGRATOR")]
 async fn many_calls_share_one_statement_and_each_is_fenced_on_its_own(pool: PgPool) {
-    let store = Store::from_pool(pool.clone());
+    let store = batch_store(&pool).await;
     store.set_permit_limit("http", "deliver", 64).await.unwrap();
     let claimed = claimed(&store, 16).await;
 
@@ -237,7 +237,7 @@ async fn many_calls_share_one_statement_and_each_is_fenced_on_its_own(pool: PgPo
 
 #[sqlx::test(migrator = "MIGRATOR")]
 async fn calls_beyond_the_limit_take_no_slot_and_hear_so_from_their_transaction(pool: PgPool) {
-    let store = Store::from_pool(pool.clone());
+    let store = batch_store(&pool).await;
     store.set_permit_limit("http", "deliver", 3).await.unwrap();
     let claimed = claimed(&store, 5).await;
 
@@ -271,7 +271,7 @@ async fn calls_beyond_the_limit_take_no_slot_and_hear_so_from_their_transaction(
 
 #[sqlx::test(migrator = "MIGRATOR")]
 async fn a_lowered_limit_holds_for_the_shared_statement(pool: PgPool) {
-    let store = Store::from_pool(pool.clone());
+    let store = batch_store(&pool).await;
     store.set_permit_limit("http", "deliver", 4).await.unwrap();
     let claimed = claimed(&store, 8).await;
     let (first, _) = store.begin_invocations(&calls(&claimed[..4]), &[]).await;
@@ -302,7 +302,7 @@ async fn a_lowered_limit_holds_for_the_shared_statement(pool: PgPool) {
 
 #[sqlx::test(migrator = "MIGRATOR")]
 async fn the_permits_of_ended_calls_are_released_by_the_next_statement(pool: PgPool) {
-    let store = Store::from_pool(pool.clone());
+    let store = batch_store(&pool).await;
     store.set_permit_limit("http", "deliver", 2).await.unwrap();
     let claimed = claimed(&store, 5).await;
     let (first, _) = store.begin_invocations(&calls(&claimed[..2]), &[]).await;
@@ -367,7 +367,7 @@ async fn the_permits_of_ended_calls_are_released_by_the_next_statement(pool: PgP
 
 #[sqlx::test(migrator = "MIGRATOR")]
 async fn concurrent_calls_share_statements_and_a_stale_one_hears_why(pool: PgPool) {
-    let store = Store::from_pool(pool.clone());
+    let store = batch_store(&pool).await;
     store.set_permit_limit("http", "deliver", 64).await.unwrap();
     let claimed = claimed(&store, 41).await;
     let batches = InvocationBatches::start(&store, &store, 2, 32);

@@ -85,7 +85,7 @@ async fn written(pool: &PgPool, c: &ClaimedStep) -> Value {
 
 #[sqlx::test(migrator = "MIGRATOR")]
 async fn the_shared_statement_writes_what_the_receipts_own_transaction_writes(pool: PgPool) {
-    let store = Store::from_pool(pool.clone());
+    let store = batch_store(&pool).await;
     submit(&store, &workflow("one", vec![step("only", &[])])).await;
     submit(&store, &workflow("two", vec![step("only", &[])])).await;
     let claimed = claimed_and_begun(&store, 2).await;
@@ -119,7 +119,7 @@ async fn the_shared_statement_writes_what_the_receipts_own_transaction_writes(po
 
 #[sqlx::test(migrator = "MIGRATOR")]
 async fn many_receipts_share_one_statement_and_each_is_fenced_on_its_own(pool: PgPool) {
-    let store = Store::from_pool(pool.clone());
+    let store = batch_store(&pool).await;
     // ten one-step workflows, and a fan-out of six whose receipts all come in the batch
     for i in 0..10 {
         submit(
@@ -248,7 +248,7 @@ async fn many_receipts_share_one_statement_and_each_is_fenced_on_its_own(pool: P
 
 #[sqlx::test(migrator = "MIGRATOR")]
 async fn a_step_with_dependents_or_a_stopped_workflow_takes_the_transaction(pool: PgPool) {
-    let store = Store::from_pool(pool.clone());
+    let store = batch_store(&pool).await;
     submit(
         &store,
         &workflow("chain", vec![step("a", &[]), step("b", &["a"])]),
@@ -292,7 +292,7 @@ async fn a_step_with_dependents_or_a_stopped_workflow_takes_the_transaction(pool
 #[sqlx::test(migrator = "MIGRATOR")]
 async fn concurrent_receipts_go_through_batches_and_a_stale_one_is_kept_as_evidence(pool: PgPool) {
     const STEPS: usize = 40;
-    let store = Store::from_pool(pool.clone());
+    let store = batch_store(&pool).await;
     for i in 0..STEPS {
         submit(&store, &workflow(&format!("w{i}"), vec![step("only", &[])])).await;
     }
@@ -345,7 +345,7 @@ async fn concurrent_receipts_go_through_batches_and_a_stale_one_is_kept_as_evide
 
 #[sqlx::test(migrator = "MIGRATOR")]
 async fn each_condition_of_the_fence_alone_keeps_a_row_out(pool: PgPool) {
-    let store = Store::from_pool(pool.clone());
+    let store = batch_store(&pool).await;
     for i in 0..2 {
         submit(&store, &workflow(&format!("w{i}"), vec![step("only", &[])])).await;
     }

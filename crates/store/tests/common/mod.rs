@@ -118,3 +118,18 @@ pub async fn count(pool: &PgPool, sql: &'static str, step: StepId) -> i64 {
         .await
         .unwrap()
 }
+
+/// A store on `pool`'s database whose sessions have the shared statements' settings
+/// ([`z29c_store::BATCH_SESSION_SETTINGS`]: generic plans from the first call, no sequential
+/// scans), as the executor's and gateway's committers run them.
+pub async fn batch_store(pool: &PgPool) -> Store {
+    let options = (*pool.connect_options())
+        .clone()
+        .options(z29c_store::BATCH_SESSION_SETTINGS.iter().copied());
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(4)
+        .connect_with(options)
+        .await
+        .unwrap();
+    Store::from_pool(pool)
+}
