@@ -189,13 +189,14 @@ impl Store {
                  FROM (SELECT slot FROM above UNION ALL SELECT slot FROM below) x
              ), rel AS (
                  UPDATE adapter_permits p
-                 -- the call ended before this statement began: its permit's history says so
-                 -- even where another permit of this statement takes its slot (at
-                 -- `clock_timestamp()`, not before the statement's `now()`)
+                 -- when the call ended: `ago` is measured as the statement is sent, and `now()`
+                 -- is when it began, so the estimate is late by the time on the wire alone.
+                 -- Not `clock_timestamp()`: this runs at the statement's end, after its own
+                 -- permits were taken, and a release estimated that late would show the
+                 -- gateway's calls overlapping more than it ran (scale_out counts them)
                  SET state = 'released',
                      released_at = greatest(p.acquired_at,
-                                            least(now(), clock_timestamp()
-                                                         - e.ago * interval '1 microsecond')),
+                                            now() - e.ago * interval '1 microsecond'),
                      release_reason = e.reason
                  FROM ended e
                  WHERE p.id = ANY ($11::uuid[]) AND p.id = e.id AND p.state <> 'released'
