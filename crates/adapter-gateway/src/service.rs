@@ -4,7 +4,7 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::{Notify, Semaphore};
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 use tracing::Instrument;
@@ -44,9 +44,9 @@ pub struct Gateway {
     /// permit limit bounds all instances together; this bounds one, so another instance adds
     /// usable capacity up to that limit.
     calls: Arc<Semaphore>,
-    /// Permits of calls that have ended, not yet released: the next permit transaction
+    /// Calls that have ended, their permits not yet released: the next permit statement
     /// releases them, or [`Gateway::release_ended`] does after `release_linger_ms`.
-    ended: Arc<std::sync::Mutex<Vec<EndedPermit>>>,
+    ended: Arc<std::sync::Mutex<Ended>>,
     ended_added: Arc<Notify>,
     /// Operation classes this instance gave their adapter's default limit. Held across the
     /// write, so calls that find a class without a limit together wait for one write.
@@ -99,15 +99,18 @@ impl Gateway {
         Ok(())
     }
 
-    fn take_ended(&self) -> Vec<EndedPermit> {
+    fn take_ended(&self) -> Ended {
         std::mem::take(&mut *self.ended.lock().expect("ended permits lock"))
     }
 
-    fn keep_ended(&self, ended: Vec<EndedPermit>) {
-        if ended.is_empty() {
+    fn keep_ended(&self, ended: Ended) {
+        if ended.permits.is_empty() && ended.slots.is_empty() {
             return;
         }
-        self.ended.lock().expect("ended permits lock").extend(ended);
+        let mut kept = self.ended.lock().expect("ended permits lock");
+        kept.permits.extend(ended.permits);
+        kept.slots.extend(ended.slots);
+        drop(kept);
         self.ended_added.notify_one();
     }
 
@@ -124,14 +127,14 @@ impl Gateway {
                 tokio::time::sleep(linger).await;
             }
             let ended = self.take_ended();
-            if !ended.is_empty() {
+            if !ended.permits.is_empty() {
                 let released = match &self.commits {
-                    Some(g) => g.release_permits(&ended).await,
-                    None => self.store.release_permits(&ended).await,
+                    Some(g) => g.release_permits(&ended.permits).await,
+                    None => self.store.release_permits(&ended.permits).await,
                 };
                 if let Err(e) = released {
                     // their holds run out by themselves; until then they count, which is safe
-                    tracing::warn!(error = %e, permits = ended.len(), "permit release failed; retrying");
+                    tracing::warn!(error = %e, permits = ended.permits.len(), "permit release failed; retrying");
                     if !stopping {
                         self.keep_ended(ended);
                         tokio::time::sleep(PERMIT_RETRY).await;
@@ -221,9 +224,22 @@ impl Gateway {
             lease,
             ..
         } = z29c_proto::validate::invoke(&req)?;
-        // a full instance turns the call away before it takes a permit another could use
-        let Ok(_slot) = self.calls.clone().try_acquire_owned() else {
-            return Ok(turned_away(adapter, "instance_busy"));
+        // The ended calls' permits go with this call's permit statement, and the capacity
+        // they held here with them: it comes back once their releases are durable, so no call
+        // of this instance begins before the releases of the calls whose places it takes (the
+        // permit history never shows more calls at once than `max_calls`).
+        let mut carried = self.take_ended();
+        let slot = match carried.slots.pop() {
+            Some(slot) => slot,
+            None => match self.calls.clone().try_acquire_owned() {
+                Ok(slot) => slot,
+                Err(_) => {
+                    // a full instance turns the call away before it takes a permit another
+                    // could use
+                    self.keep_ended(carried);
+                    return Ok(turned_away(adapter, "instance_busy"));
+                }
+            },
         };
         let permit_req = PermitRequest {
             adapter: &adapter.name,
@@ -234,7 +250,7 @@ impl Gateway {
             hold: Duration::from_millis(adapter.permit_hold_ms),
         };
         let permit = match self
-            .take_permit(adapter, lease.as_ref(), &permit_req)
+            .take_permit(adapter, lease.as_ref(), &permit_req, carried)
             .await?
         {
             Taken::Permit(p) => p,
@@ -315,7 +331,10 @@ impl Gateway {
         .increment(1);
         let permit_result = match release {
             Some(reason) if self.config.release_linger_ms > 0 => {
-                self.keep_ended(vec![EndedPermit::now(permit.id, reason)]);
+                self.keep_ended(Ended {
+                    permits: vec![EndedPermit::now(permit.id, reason)],
+                    slots: vec![slot],
+                });
                 Ok(())
             }
             Some(reason) => match &self.commits {
@@ -346,23 +365,26 @@ impl Gateway {
         adapter: &AdapterConfig,
         lease: Option<&LeaseClaim>,
         req: &PermitRequest<'_>,
+        mut carried: Ended,
     ) -> Result<Taken, Status> {
+        // the ended calls' permits are released with this call's permit (their capacity then
+        // comes back), or kept for the next one
+        let _released = CarriedBack(self, &mut carried);
+        let carried = &mut *_released.1;
         for _ in 0..2 {
             let taken = match (&self.commits, lease) {
                 (commits, Some(l)) => {
-                    // the ended calls' permits are released in this transaction, or kept
-                    let ended = self.take_ended();
+                    let ended = &carried.permits;
                     let taken = match (commits, &self.invocations) {
-                        (Some(g), _) => g.begin_invocation_with_permit(l, req, &ended).await,
-                        (None, Some(b)) => b.begin_invocation_with_permit(l, req, &ended).await,
+                        (Some(g), _) => g.begin_invocation_with_permit(l, req, ended).await,
+                        (None, Some(b)) => b.begin_invocation_with_permit(l, req, ended).await,
                         (None, None) => {
-                            self.store
-                                .begin_invocation_with_permit(l, req, &ended)
-                                .await
+                            self.store.begin_invocation_with_permit(l, req, ended).await
                         }
                     };
-                    if taken.is_err() {
-                        self.keep_ended(ended);
+                    if taken.is_ok() {
+                        // released: their capacity comes back as this returns
+                        carried.permits.clear();
                     }
                     taken.map(|t| t.0)
                 }
@@ -385,6 +407,29 @@ impl Gateway {
             }
         }
         Err(Status::internal("adapter limit could not be set"))
+    }
+}
+
+/// Calls that have ended: their permits, to be released, and the capacity of this instance
+/// they held, given back once those releases are durable.
+#[derive(Debug, Default)]
+struct Ended {
+    permits: Vec<EndedPermit>,
+    slots: Vec<OwnedSemaphorePermit>,
+}
+
+/// On drop: ended calls whose permits are still to be released go back to the gateway's list
+/// with their capacity; the capacity of those released comes back.
+struct CarriedBack<'a>(&'a Gateway, &'a mut Ended);
+
+impl Drop for CarriedBack<'_> {
+    fn drop(&mut self) {
+        let ended = std::mem::take(self.1);
+        if ended.permits.is_empty() {
+            drop(ended.slots);
+        } else {
+            self.0.keep_ended(ended);
+        }
     }
 }
 
