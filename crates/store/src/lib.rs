@@ -14,6 +14,9 @@
 //! - [`events`]: the step event history (lease history, checkpoints).
 //! - [`outbox`]: the transactional outbox (claim, mark sent).
 //! - [`permits`]: adapter concurrency permits; called by the gateway alone.
+//! - [`receipts`], [`invocations`]: receipts, and *invocation began* with its permit, of many
+//!   attempts in one statement, each fenced on its own (the executor's and gateway's batching).
+//! - [`batch`]: group commit, fenced writes of concurrent attempts sharing one `COMMIT`.
 //! - [`audit`]: the public services' audit log and refused (poison) NATS messages.
 
 pub mod audit;
