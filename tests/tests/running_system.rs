@@ -174,6 +174,98 @@ async fn a_rate_limited_step_holds_no_lease_while_it_waits() -> Result<()> {
     cluster.stop().await
 }
 
+/// Steps claimed ahead (`claim_ahead`) wait, leased, for a worker: calls never outnumber the
+/// workers, a step that waits past its renewal interval goes back unbegun (its lease released,
+/// no invocation), and every step still ends with one receipt the destination agrees with.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn steps_claimed_ahead_wait_for_a_worker_and_go_back_unbegun_when_none_frees() -> Result<()> {
+    const STEPS: usize = 4;
+    let mut cluster = Cluster::start(1, 0, 16).await?;
+    let pool = cluster.db.pool(2).await?;
+    cluster
+        .set_faults("slow", json!({ "delay_ms": 2500 }))
+        .await?;
+    cluster
+        .add_executor_with(&[
+            ("Z29C_WORKERS", "2"),
+            ("Z29C_CLAIM_AHEAD", "2"),
+            ("Z29C_CLAIM_BATCH", "4"),
+        ])
+        .await?;
+    let reqs = (0..STEPS)
+        .map(|i| {
+            let mut r = chain(&format!("ahead-{i}"), "slow", 1);
+            r.steps[0].policy = Some(pb::LeasePolicy {
+                lease_ms: 4000,
+                renew_every_ms: 1000,
+                attempt_deadline_ms: 10_000,
+                final_grace_ms: 500,
+                adapter_timeout_ms: 3000,
+                ..Default::default()
+            });
+            r
+        })
+        .collect();
+    let ids = submit(&cluster, reqs).await?;
+    let mut most_leased = 0;
+    let until = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let (leased, ended): (i64, i64) = sqlx::query_as(
+            "SELECT (SELECT count(*) FROM steps WHERE lease_owner = 'executor-1'),
+                    (SELECT count(*) FROM workflows WHERE state <> 'running')",
+        )
+        .fetch_one(&pool)
+        .await?;
+        most_leased = most_leased.max(leased);
+        if ended as usize == STEPS {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < until,
+            "{ended} of {STEPS} workflows ended"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    cluster.wait_all_ended(&ids, Duration::from_secs(5)).await?;
+    assert_eq!(
+        most_leased, 4,
+        "two workers and two steps claimed ahead: four leases at most, and four were held"
+    );
+    let most_calls: i64 = sqlx::query_scalar(
+        "SELECT max((SELECT count(*) FROM attempts b
+                     WHERE b.invocation_began_at <= a.invocation_began_at
+                       AND b.response_observed_at > a.invocation_began_at))
+         FROM attempts a WHERE a.invocation_began_at IS NOT NULL",
+    )
+    .fetch_one(&pool)
+    .await?;
+    assert_eq!(
+        most_calls, 2,
+        "calls in flight at once: never more than the workers"
+    );
+    let given_back: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM attempts
+         WHERE state = 'released' AND invocation_began_at IS NULL",
+    )
+    .fetch_one(&pool)
+    .await?;
+    assert!(
+        given_back >= 1,
+        "a step claimed ahead waited past its renewal interval and was given back unbegun"
+    );
+    let released_events: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM step_events WHERE kind = 'lease_released'")
+            .fetch_one(&pool)
+            .await?;
+    assert!(
+        released_events >= given_back,
+        "each give-back is in the step's history"
+    );
+    check_receipts_against_ledger(&pool, STEPS as i64).await?;
+    pool.close().await;
+    cluster.stop().await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cancelled_workflow_stops_but_records_the_call_in_flight() -> Result<()> {
     let cluster = Cluster::start(1, 1, 16).await?;

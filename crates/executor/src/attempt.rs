@@ -34,7 +34,7 @@ pub struct Context {
 
 /// Runs one claimed step to a receipt, a release, or a hand-over to recovery. Errors are logged
 /// here: the durable state is always left somewhere recovery can reason from.
-pub async fn run(ctx: Context, step: ClaimedStep) {
+pub async fn run(ctx: Context, step: ClaimedStep, claimed_at: Instant) {
     let span = tracing::info_span!(
         "attempt",
         step = %step.lease.step,
@@ -45,7 +45,7 @@ pub async fn run(ctx: Context, step: ClaimedStep) {
     );
     // the attempt joins the workflow's trace, begun at submission
     z29c_telemetry::trace::set_parent(&span, step.trace_context.as_deref());
-    if let Err(e) = attempt(&ctx, &step).instrument(span).await {
+    if let Err(e) = attempt(&ctx, &step, claimed_at).instrument(span).await {
         match e {
             StoreError::Fenced(reason) => {
                 counter!(z29c_telemetry::ATTEMPT_FENCING_REJECTIONS).increment(1);
@@ -56,8 +56,17 @@ pub async fn run(ctx: Context, step: ClaimedStep) {
     }
 }
 
-async fn attempt(ctx: &Context, step: &ClaimedStep) -> Result<(), StoreError> {
-    let claimed_at = Instant::now();
+/// Gives back, unbegun, a step claimed ahead that no worker took in time (or at shutdown).
+pub async fn give_back(ctx: &Context, step: &ClaimedStep) {
+    tracing::debug!(step = %step.lease.step, "no worker free in time for a step claimed ahead; giving it back");
+    if let Err(e) = ctx.store.release_unbegun(&step.lease).await {
+        tracing::warn!(step = %step.lease.step, error = %e, "could not give back a step claimed ahead; its lease will expire into recovery");
+    }
+}
+
+/// `claimed_at`: when the claim answered, on this process's monotonic clock (a step claimed
+/// ahead may wait for a worker: its deadlines run from the claim).
+async fn attempt(ctx: &Context, step: &ClaimedStep, claimed_at: Instant) -> Result<(), StoreError> {
     let store = &ctx.store;
     let lease = &step.lease;
     // the claim created the attempt with its request identity, in one transaction

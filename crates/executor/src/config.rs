@@ -19,6 +19,11 @@ pub struct ExecutorConfig {
     pub workers: usize,
     /// Most steps claimed in one statement.
     pub claim_batch: usize,
+    /// Steps claimed ahead while every worker is busy: each waits, leased, for the next worker
+    /// that frees, so a finished attempt's worker starts its next step at once instead of after
+    /// a claim. One that waits longer than half its renewal interval is given back unbegun.
+    /// Unset: a quarter of `workers` (none below 4 workers). 0: off.
+    pub claim_ahead: Option<usize>,
     /// PostgreSQL poll interval when no hint arrives.
     pub poll_ms: u64,
     /// While steps are waiting (the last claim filled every free slot), a slot that frees
@@ -75,6 +80,7 @@ impl Default for ExecutorConfig {
             prefix: "z29c".into(),
             workers: 16,
             claim_batch: 8,
+            claim_ahead: None,
             poll_ms: 500,
             claim_gather_ms: 5,
             group_commit: false,

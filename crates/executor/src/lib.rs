@@ -9,6 +9,11 @@
 //! commits the receipt — or, when fenced, keeps what it saw as late evidence. On shutdown it stops claiming, gives back
 //! steps whose invocation has not begun, and lets calls in flight finish within a grace period.
 //!
+//! While every worker is busy it claims a few steps ahead (`claim_ahead`): they wait, leased
+//! and unbegun, for the next worker that frees, so the claim's round trip is not between one
+//! attempt's receipt and the next attempt's call. A step that waits longer than half its
+//! renewal interval is given back unbegun.
+//!
 //! # Layout
 //! - [`config`]: executor configuration.
 //! - [`attempt`]: one attempt, checkpoint by checkpoint.
@@ -106,6 +111,9 @@ pub async fn run(config: ExecutorConfig, shutdown: CancellationToken) -> anyhow:
     ));
 
     let slots = Arc::new(Semaphore::new(config.workers));
+    // leases held at once: every worker's, and the steps claimed ahead waiting for a worker
+    let ahead = config.claim_ahead.unwrap_or(config.workers / 4);
+    let leases = Arc::new(Semaphore::new(config.workers + ahead));
     // the last claim filled every free slot, so more steps may be waiting: a finished attempt
     // wakes the loop to claim again at once instead of at the next poll or hint
     let backlog = Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -120,7 +128,7 @@ pub async fn run(config: ExecutorConfig, shutdown: CancellationToken) -> anyhow:
     let mut gathering_since: Option<tokio::time::Instant> = None;
     tracing::info!(id = %owner, workers = config.workers, "executor started");
     while !shutdown.is_cancelled() {
-        let want = slots.available_permits().min(claim_batch);
+        let want = leases.available_permits().min(claim_batch);
         let gathering = want > 0
             && want < gather
             && backlog.load(std::sync::atomic::Ordering::Relaxed)
@@ -135,8 +143,9 @@ pub async fn run(config: ExecutorConfig, shutdown: CancellationToken) -> anyhow:
                     let n = claimed.len();
                     z29c_telemetry::metrics::counter!(z29c_telemetry::LEASE_ACQUISITIONS)
                         .increment(n as u64);
+                    let claimed_at = std::time::Instant::now();
                     for step in claimed {
-                        let slot = slots.clone().acquire_owned().await?;
+                        let held = leases.clone().acquire_owned().await?;
                         let ctx = attempt::Context {
                             store: store.clone(),
                             commits: commits.clone(),
@@ -148,10 +157,21 @@ pub async fn run(config: ExecutorConfig, shutdown: CancellationToken) -> anyhow:
                                 config.fault_stall_after_response_ms,
                             ),
                         };
-                        let (wake, backlog) = (wake.clone(), backlog.clone());
+                        let (wake, backlog, slots) = (wake.clone(), backlog.clone(), slots.clone());
                         tracker.spawn(async move {
-                            attempt::run(ctx, step).await;
-                            drop(slot);
+                            // a step claimed ahead waits for a worker, no longer than half
+                            // its renewal interval: its first renewal, a renewal interval
+                            // after the attempt starts, still comes well before the lease ends
+                            let slot = tokio::select! {
+                                slot = slots.acquire_owned() => slot.ok(),
+                                _ = tokio::time::sleep(step.policy.renew_every / 2) => None,
+                                _ = ctx.stop.cancelled() => None,
+                            };
+                            match slot {
+                                Some(_slot) => attempt::run(ctx, step, claimed_at).await,
+                                None => attempt::give_back(&ctx, &step).await,
+                            }
+                            drop(held);
                             if backlog.load(std::sync::atomic::Ordering::Relaxed) {
                                 wake.notify_one();
                             }
