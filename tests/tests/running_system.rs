@@ -175,7 +175,7 @@ async fn a_rate_limited_step_holds_no_lease_while_it_waits() -> Result<()> {
 }
 
 /// Steps claimed ahead (`claim_ahead`) wait, leased, for a worker: calls never outnumber the
-/// workers, a step that waits past its renewal interval goes back unbegun (its lease released,
+/// workers, a step that waits past half its renewal interval goes back unbegun (its lease released,
 /// no invocation), and every step still ends with one receipt the destination agrees with.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn steps_claimed_ahead_wait_for_a_worker_and_go_back_unbegun_when_none_frees() -> Result<()> {
