@@ -122,6 +122,9 @@ async fn run(command: Command) -> Result<()> {
                     r.cell,
                     r.elapsed.as_secs_f64()
                 ));
+                if !r.passed() {
+                    say(r.findings().trim_end());
+                }
             })
             .await;
             say(&matrix::table(&results));

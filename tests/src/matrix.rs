@@ -256,6 +256,24 @@ impl CellResult {
         self.violations.is_empty() && self.expectations.is_empty()
     }
 
+    /// What a failed cell found, a line each, with the warnings and errors its services
+    /// logged: printed as the cell ends, so a CI log that keeps only the head and tail of the
+    /// output still says why (the kept directory is on the CI machine).
+    pub fn findings(&self) -> String {
+        let mut out = String::new();
+        for v in &self.violations {
+            out.push_str(&format!("  violation {v}\n"));
+        }
+        for e in &self.expectations {
+            out.push_str(&format!("  expected {e}\n"));
+        }
+        if let Some(dir) = &self.kept {
+            out.push_str(&format!("  history and logs kept in {}\n", dir.display()));
+            out.push_str(&logged_trouble(dir, 40));
+        }
+        out
+    }
+
     /// Why the cell's cluster could not be started, before any fault: not a finding about
     /// z29c, and [`run_cells`] gives such a cell one more start.
     pub fn setup_failure(&self) -> Option<&str> {
@@ -1217,4 +1235,40 @@ pub fn table(results: &[CellResult]) -> String {
         }
     }
     out
+}
+
+/// The last `max` WARN and ERROR lines of the service logs in `dir` (bar the start-up notices
+/// every test cluster prints), oldest first, each named by its log and cut to 300 characters.
+fn logged_trouble(dir: &std::path::Path, max: usize) -> String {
+    let mut lines: Vec<(String, String)> = Vec::new();
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return String::new();
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if !name.ends_with(".log") {
+            continue;
+        }
+        let Ok(text) = std::fs::read_to_string(entry.path()) else {
+            continue;
+        };
+        for line in text.lines() {
+            // every service warns at start that TLS and operator authentication are off
+            let boilerplate = ["gRPC without TLS", "operator authentication is off"];
+            if (line.contains(" WARN ") || line.contains(" ERROR "))
+                && !boilerplate.iter().any(|b| line.contains(b))
+            {
+                let cut: String = line.chars().take(300).collect();
+                // the timestamp leads each line: sorting on it interleaves the logs
+                lines.push((cut, name.clone()));
+            }
+        }
+    }
+    lines.sort();
+    let skip = lines.len().saturating_sub(max);
+    lines
+        .into_iter()
+        .skip(skip)
+        .map(|(line, log)| format!("    {log}: {line}\n"))
+        .collect()
 }

@@ -27,6 +27,9 @@ async fn every_cell_of_the_fault_matrix_holds_every_invariant() -> Result<()> {
             r.cell,
             r.elapsed.as_secs_f64()
         );
+        if !r.passed() {
+            print!("{}", r.findings());
+        }
         if let Some(why) = &r.setup_retried {
             println!("    second start; the first failed before any fault: {why}");
         }

@@ -43,6 +43,38 @@ fn nats<E: std::fmt::Display>(e: E) -> BusError {
     BusError::Nats(e.to_string())
 }
 
+/// How long [`Bus::connect_with`] keeps trying a server that is not reachable yet.
+pub const CONNECT_PATIENCE: Duration = Duration::from_secs(30);
+
+/// Why one try at connecting failed.
+#[derive(Debug, thiserror::Error)]
+enum Connecting {
+    #[error("{0}")]
+    Connect(async_nats::ConnectError),
+    #[error("creating the stream: {0}")]
+    Stream(jetstream::context::CreateStreamError),
+}
+
+impl Connecting {
+    /// Worth another try: the server may come up, or answer, in a moment.
+    fn transient(&self) -> bool {
+        use async_nats::ConnectErrorKind as C;
+        use jetstream::context::CreateStreamErrorKind as S;
+        match self {
+            Connecting::Connect(e) => match e.kind() {
+                C::Dns | C::TimedOut | C::MaxReconnects => true,
+                // a refused or dropped connection may work in a moment; a TLS handshake that
+                // fails (an io error of kind InvalidData) will not
+                C::Io => std::error::Error::source(e)
+                    .and_then(|s| s.downcast_ref::<std::io::Error>())
+                    .is_none_or(|io| io.kind() != std::io::ErrorKind::InvalidData),
+                _ => false,
+            },
+            Connecting::Stream(e) => matches!(e.kind(), S::TimedOut | S::JetStreamUnavailable),
+        }
+    }
+}
+
 /// The kinds of hint z29c publishes, one subject each.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Topic {
@@ -196,11 +228,17 @@ impl Bus {
     /// [`Bus::connect`] with TLS to NATS: the server's certificate checked against
     /// `tls.ca_file`, and this process's certificate presented (for servers that verify
     /// clients). Without files, TLS is still used for `tls://` URLs, with the system's roots.
+    ///
+    /// A server that is starting, briefly unreachable or slow to answer JetStream is retried
+    /// with capped, jittered backoff for up to [`CONNECT_PATIENCE`], as PostgreSQL is, so
+    /// services may start (and restart) in any order; a bad URL, credentials or TLS setup fail
+    /// at once.
     pub async fn connect_with(
         url: &str,
         prefix: &str,
         tls: &z29c_security::TlsConfig,
     ) -> Result<Self> {
+        use backon::Retryable;
         let names = Names::new(prefix)?;
         let mut options = async_nats::ConnectOptions::new().name("z29c");
         if tls.enabled().map_err(nats)? {
@@ -212,18 +250,41 @@ impl Bus {
             }
             options = options.require_tls(true);
         }
-        let client = options.connect(url).await.map_err(nats)?;
-        let js = jetstream::new(client.clone());
-        js.get_or_create_stream(stream::Config {
-            name: names.stream(),
-            subjects: Topic::ALL.iter().map(|t| names.subject(*t)).collect(),
-            storage: stream::StorageType::File,
-            duplicate_window: Duration::from_secs(120),
-            max_age: Duration::from_secs(24 * 3600),
-            ..Default::default()
-        })
-        .await
-        .map_err(nats)?;
+        let once = || async {
+            let client = options
+                .clone()
+                .connect(url)
+                .await
+                .map_err(Connecting::Connect)?;
+            let js = jetstream::new(client.clone());
+            js.get_or_create_stream(stream::Config {
+                name: names.stream(),
+                subjects: Topic::ALL.iter().map(|t| names.subject(*t)).collect(),
+                storage: stream::StorageType::File,
+                duplicate_window: Duration::from_secs(120),
+                max_age: Duration::from_secs(24 * 3600),
+                ..Default::default()
+            })
+            .await
+            .map_err(Connecting::Stream)?;
+            Ok::<_, Connecting>((client, js))
+        };
+        let (client, js) = once
+            .retry(
+                backon::ExponentialBuilder::default()
+                    .with_min_delay(Duration::from_millis(100))
+                    .with_max_delay(Duration::from_secs(2))
+                    .with_jitter()
+                    .with_total_delay(Some(CONNECT_PATIENCE))
+                    .without_max_times(),
+            )
+            .sleep(tokio::time::sleep)
+            .when(Connecting::transient)
+            .notify(|e, wait| {
+                tracing::warn!(error = %e, ?wait, "NATS not reachable yet; retrying");
+            })
+            .await
+            .map_err(nats)?;
         Ok(Self { client, js, names })
     }
 

@@ -191,3 +191,61 @@ async fn a_message_out_of_deliveries_raises_an_advisory_z29c_can_read() {
     assert_eq!(a.deliveries, 2);
     bus.delete_stream().await.unwrap();
 }
+
+/// A service started before its NATS server waits for it (as it does for PostgreSQL) instead
+/// of exiting: the server here comes up a second and a half after the connect began.
+#[tokio::test]
+async fn a_server_that_comes_up_after_the_service_is_waited_for() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let url = format!("nats://127.0.0.1:{port}");
+    let started = std::time::Instant::now();
+    let connecting = tokio::spawn({
+        let (url, prefix) = (url.clone(), prefix());
+        async move { Bus::connect(&url, &prefix).await }
+    });
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    assert!(
+        !connecting.is_finished(),
+        "the connect gave up while no server was up"
+    );
+    let store =
+        std::env::temp_dir().join(format!("z29c-bus-late-{}", uuid::Uuid::new_v4().simple()));
+    let mut server = tokio::process::Command::new("nats-server")
+        .args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"])
+        .arg(&store)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("nats-server on PATH");
+    let bus = tokio::time::timeout(z29c_bus::CONNECT_PATIENCE, connecting)
+        .await
+        .expect("connected within the patience")
+        .unwrap()
+        .expect("connected once the server came up");
+    assert!(started.elapsed() >= Duration::from_millis(1_500));
+    // the stream was made on the late server: a hint goes through it
+    let (w, s) = ids();
+    bus.publish(&step_ready("late-1", &w, &s))
+        .await
+        .expect("published on the late server");
+    let _ = server.kill().await;
+    let _ = std::fs::remove_dir_all(&store);
+}
+
+/// A URL that can never work fails at once, without the patience for an unreachable server.
+#[tokio::test]
+async fn a_malformed_url_fails_at_once() {
+    let started = std::time::Instant::now();
+    let err = Bus::connect("nats://127.0.0.1:not-a-port", &prefix())
+        .await
+        .expect_err("a malformed URL connected");
+    assert!(
+        started.elapsed() < z29c_bus::CONNECT_PATIENCE / 2,
+        "a malformed URL was retried: {err}"
+    );
+}
