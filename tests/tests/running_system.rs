@@ -177,9 +177,11 @@ async fn a_rate_limited_step_holds_no_lease_while_it_waits() -> Result<()> {
 /// Steps claimed ahead (`claim_ahead`) wait, leased, for a worker: calls never outnumber the
 /// workers, a step that waits past half its renewal interval goes back unbegun (its lease released,
 /// no invocation), and every step still ends with one receipt the destination agrees with.
+/// Calls here run longer than that wait: after the first give-backs the executor claims no
+/// further ahead, instead of claiming and giving back each half interval for the whole run.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn steps_claimed_ahead_wait_for_a_worker_and_go_back_unbegun_when_none_frees() -> Result<()> {
-    const STEPS: usize = 4;
+    const STEPS: usize = 8;
     let mut cluster = Cluster::start(1, 0, 16).await?;
     let pool = cluster.db.pool(2).await?;
     cluster
@@ -252,6 +254,12 @@ async fn steps_claimed_ahead_wait_for_a_worker_and_go_back_unbegun_when_none_fre
     assert!(
         given_back >= 1,
         "a step claimed ahead waited past its renewal interval and was given back unbegun"
+    );
+    // four rounds of 2.5 s calls: claiming ahead all along would give back two steps each
+    // half second, about forty in all
+    assert!(
+        given_back <= 2,
+        "{given_back} give-backs: the executor kept claiming ahead while every call ran long"
     );
     let released_events: i64 =
         sqlx::query_scalar("SELECT count(*) FROM step_events WHERE kind = 'lease_released'")

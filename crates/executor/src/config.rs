@@ -21,7 +21,8 @@ pub struct ExecutorConfig {
     pub claim_batch: usize,
     /// Steps claimed ahead while every worker is busy: each waits, leased, for the next worker
     /// that frees, so a finished attempt's worker starts its next step at once instead of after
-    /// a claim. One that waits longer than half its renewal interval is given back unbegun.
+    /// a claim. One that waits longer than half its renewal interval is given back unbegun,
+    /// and the executor then claims no further ahead until an attempt ends within that time.
     /// Unset: a quarter of `workers` (none below 4 workers). 0: off.
     pub claim_ahead: Option<usize>,
     /// PostgreSQL poll interval when no hint arrives.

@@ -12,7 +12,8 @@
 //! While every worker is busy it claims a few steps ahead (`claim_ahead`): they wait, leased
 //! and unbegun, for the next worker that frees, so the claim's round trip is not between one
 //! attempt's receipt and the next attempt's call. A step that waits longer than half its
-//! renewal interval is given back unbegun.
+//! renewal interval is given back unbegun, and claiming ahead stops until an attempt ends
+//! within that time again: while calls run long, it would only claim and give back.
 //!
 //! # Layout
 //! - [`config`]: executor configuration.
@@ -22,6 +23,7 @@ pub mod attempt;
 pub mod config;
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use anyhow::Context;
@@ -114,9 +116,14 @@ pub async fn run(config: ExecutorConfig, shutdown: CancellationToken) -> anyhow:
     // leases held at once: every worker's, and the steps claimed ahead waiting for a worker
     let ahead = config.claim_ahead.unwrap_or(config.workers / 4);
     let leases = Arc::new(Semaphore::new(config.workers + ahead));
+    // claiming ahead pays while attempts are short; once a step claimed ahead had to be given
+    // back (every worker stayed busy past half its renewal interval), claiming ahead would
+    // only claim and give back again and again: it stays off until an attempt ends within
+    // that time
+    let ahead_on = Arc::new(AtomicBool::new(true));
     // the last claim filled every free slot, so more steps may be waiting: a finished attempt
     // wakes the loop to claim again at once instead of at the next poll or hint
-    let backlog = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let backlog = Arc::new(AtomicBool::new(false));
     let tracker = TaskTracker::new();
     let attempts_token = CancellationToken::new();
     let poll = Duration::from_millis(config.poll_ms);
@@ -128,10 +135,19 @@ pub async fn run(config: ExecutorConfig, shutdown: CancellationToken) -> anyhow:
     let mut gathering_since: Option<tokio::time::Instant> = None;
     tracing::info!(id = %owner, workers = config.workers, "executor started");
     while !shutdown.is_cancelled() {
-        let want = leases.available_permits().min(claim_batch);
+        let mut want = leases.available_permits().min(claim_batch);
+        if !ahead_on.load(Ordering::Relaxed) {
+            // only as many as the workers free and not yet promised to a claimed step
+            let held = config.workers + ahead - leases.available_permits();
+            let busy = config.workers - slots.available_permits();
+            let free = slots
+                .available_permits()
+                .saturating_sub(held.saturating_sub(busy));
+            want = want.min(free);
+        }
         let gathering = want > 0
             && want < gather
-            && backlog.load(std::sync::atomic::Ordering::Relaxed)
+            && backlog.load(Ordering::Relaxed)
             && gathering_since
                 .get_or_insert_with(tokio::time::Instant::now)
                 .elapsed()
@@ -157,28 +173,45 @@ pub async fn run(config: ExecutorConfig, shutdown: CancellationToken) -> anyhow:
                                 config.fault_stall_after_response_ms,
                             ),
                         };
-                        let (wake, backlog, slots) = (wake.clone(), backlog.clone(), slots.clone());
+                        let (wake, backlog, slots, ahead_on) = (
+                            wake.clone(),
+                            backlog.clone(),
+                            slots.clone(),
+                            ahead_on.clone(),
+                        );
                         tracker.spawn(async move {
                             // a step claimed ahead waits for a worker, no longer than half
                             // its renewal interval: its first renewal, a renewal interval
                             // after the attempt starts, still comes well before the lease ends
+                            let patience = step.policy.renew_every / 2;
                             let slot = tokio::select! {
                                 slot = slots.acquire_owned() => slot.ok(),
-                                _ = tokio::time::sleep(step.policy.renew_every / 2) => None,
+                                _ = tokio::time::sleep(patience) => None,
                                 _ = ctx.stop.cancelled() => None,
                             };
                             match slot {
-                                Some(_slot) => attempt::run(ctx, step, claimed_at).await,
-                                None => attempt::give_back(&ctx, &step).await,
+                                Some(_slot) => {
+                                    let began = std::time::Instant::now();
+                                    attempt::run(ctx, step, claimed_at).await;
+                                    if began.elapsed() < patience {
+                                        ahead_on.store(true, Ordering::Relaxed);
+                                    }
+                                }
+                                None => {
+                                    // before the lease goes back, so the loop's next claim
+                                    // already claims no further ahead
+                                    ahead_on.store(false, Ordering::Relaxed);
+                                    attempt::give_back(&ctx, &step).await;
+                                }
                             }
                             drop(held);
-                            if backlog.load(std::sync::atomic::Ordering::Relaxed) {
+                            if backlog.load(Ordering::Relaxed) {
                                 wake.notify_one();
                             }
                         });
                     }
                     let full = n == want;
-                    backlog.store(full, std::sync::atomic::Ordering::Relaxed);
+                    backlog.store(full, Ordering::Relaxed);
                     if full {
                         continue; // more may be waiting: claim again at once
                     }
