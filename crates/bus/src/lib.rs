@@ -270,14 +270,7 @@ impl Bus {
             Ok::<_, Connecting>((client, js))
         };
         let (client, js) = once
-            .retry(
-                backon::ExponentialBuilder::default()
-                    .with_min_delay(Duration::from_millis(100))
-                    .with_max_delay(Duration::from_secs(2))
-                    .with_jitter()
-                    .with_total_delay(Some(CONNECT_PATIENCE))
-                    .without_max_times(),
-            )
+            .retry(z29c_core::policy::connect_backoff(CONNECT_PATIENCE))
             .sleep(tokio::time::sleep)
             .when(Connecting::transient)
             .notify(|e, wait| {

@@ -88,6 +88,17 @@ pub fn retry_delay(attempts_made: u32) -> Duration {
         .min(RETRY_CAP)
 }
 
+/// How a service waits for a server it needs (PostgreSQL, NATS) that is not up yet: from
+/// 100 ms, doubling, with jitter, at most 2 s apart, for `patience` in all.
+pub fn connect_backoff(patience: Duration) -> backon::ExponentialBuilder {
+    backon::ExponentialBuilder::default()
+        .with_min_delay(Duration::from_millis(100))
+        .with_max_delay(Duration::from_secs(2))
+        .with_jitter()
+        .with_total_delay(Some(patience))
+        .without_max_times()
+}
+
 /// Limits every step policy must respect, set by the operator of the platform.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PlatformBounds {
