@@ -260,6 +260,15 @@ impl CellResult {
     /// logged: printed as the cell ends, so a CI log that keeps only the head and tail of the
     /// output still says why (the kept directory is on the CI machine).
     pub fn findings(&self) -> String {
+        let mut out = self.verdict();
+        if let Some(dir) = &self.kept {
+            out.push_str(&logged_trouble(dir, 40));
+        }
+        out
+    }
+
+    /// Its violations, expectations and where its history was kept, a line each.
+    fn verdict(&self) -> String {
         let mut out = String::new();
         for v in &self.violations {
             out.push_str(&format!("  violation {v}\n"));
@@ -269,7 +278,6 @@ impl CellResult {
         }
         if let Some(dir) = &self.kept {
             out.push_str(&format!("  history and logs kept in {}\n", dir.display()));
-            out.push_str(&logged_trouble(dir, 40));
         }
         out
     }
@@ -1223,16 +1231,7 @@ pub fn table(results: &[CellResult]) -> String {
         results.len()
     ));
     for r in results.iter().filter(|r| !r.passed()) {
-        out.push_str(&format!("\n{}:\n", r.cell));
-        for v in &r.violations {
-            out.push_str(&format!("  violation {v}\n"));
-        }
-        for e in &r.expectations {
-            out.push_str(&format!("  expected {e}\n"));
-        }
-        if let Some(k) = &r.kept {
-            out.push_str(&format!("  history and logs kept in {}\n", k.display()));
-        }
+        out.push_str(&format!("\n{}:\n{}", r.cell, r.verdict()));
     }
     out
 }
