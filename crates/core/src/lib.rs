@@ -16,6 +16,7 @@
 //! - [`projection`]: `project()`, durable state to the product states people see.
 //! - [`dag`]: validation of a submitted workflow's step graph.
 //! - [`access`]: operator roles and which actions each allows.
+//! - [`maintenance`]: when z29c vacuums its own tables (where no autovacuum will).
 
 pub mod access;
 pub mod capability;
@@ -23,6 +24,7 @@ pub mod checkpoint;
 pub mod dag;
 pub mod fence;
 pub mod ids;
+pub mod maintenance;
 pub mod policy;
 pub mod projection;
 pub mod recovery;

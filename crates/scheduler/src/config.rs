@@ -41,6 +41,10 @@ pub struct SchedulerConfig {
     pub auth: AuthConfig,
     /// Deadline cap and per-connection limits of the gRPC server.
     pub grpc: ServerLimits,
+    /// How often to look for z29c tables that no autovacuum visits (the server's
+    /// `autovacuum` is off, or the table's) and vacuum those past autovacuum's own threshold;
+    /// 0: never. Where autovacuum runs, each look is one read of the statistics.
+    pub vacuum_every_ms: u64,
 }
 
 impl Default for SchedulerConfig {
@@ -65,6 +69,7 @@ impl Default for SchedulerConfig {
             tls: TlsConfig::default(),
             auth: AuthConfig::default(),
             grpc: ServerLimits::default(),
+            vacuum_every_ms: 10_000,
         }
     }
 }

@@ -9,8 +9,10 @@
 //! - [`config`]: scheduler configuration.
 //! - [`service`]: the gRPC service and its mapping to and from the wire.
 //! - [`relay`]: the outbox relay and the deadline sweep.
+//! - [`maintenance`]: vacuuming z29c's tables where the server's autovacuum will not.
 
 pub mod config;
+pub mod maintenance;
 pub mod relay;
 pub mod service;
 
@@ -58,6 +60,13 @@ pub async fn run(
         shutdown.clone(),
     ));
     let sweep = tokio::spawn(relay::deadline_sweep(store.clone(), shutdown.clone()));
+    let vacuum = (config.vacuum_every_ms > 0).then(|| {
+        tokio::spawn(maintenance::vacuum_neglected(
+            store.clone(),
+            std::time::Duration::from_millis(config.vacuum_every_ms),
+            shutdown.clone(),
+        ))
+    });
     if let Some(addr) = config.health_listen {
         z29c_runtime::serve_plain_health(
             addr,
@@ -97,5 +106,8 @@ pub async fn run(
         .await?;
     let _ = relay.await;
     let _ = sweep.await;
+    if let Some(vacuum) = vacuum {
+        let _ = vacuum.await;
+    }
     Ok(())
 }

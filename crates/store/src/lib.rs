@@ -18,6 +18,7 @@
 //!   attempts in one statement, each fenced on its own (the executor's and gateway's batching).
 //! - [`batch`]: group commit, fenced writes of concurrent attempts sharing one `COMMIT`.
 //! - [`audit`]: the public services' audit log and refused (poison) NATS messages.
+//! - [`maintenance`]: vacuuming z29c's tables where no autovacuum will.
 
 pub mod audit;
 pub mod batch;
@@ -26,6 +27,7 @@ pub mod events;
 pub mod faults;
 pub mod invocations;
 pub mod leases;
+pub mod maintenance;
 pub mod outbox;
 pub mod permits;
 pub mod receipts;
