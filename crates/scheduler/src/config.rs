@@ -45,6 +45,11 @@ pub struct SchedulerConfig {
     /// `autovacuum` is off, or the table's) and vacuum those past autovacuum's own threshold;
     /// 0: never. Where autovacuum runs, each look is one read of the statistics.
     pub vacuum_every_ms: u64,
+    /// Submission batching: submissions that arrive together share one statement and one
+    /// commit, up to this many; 1 = each its own.
+    pub submission_batch: usize,
+    /// Such statements at once, on connections of their own beside `max_connections`.
+    pub submission_committers: usize,
 }
 
 impl Default for SchedulerConfig {
@@ -70,6 +75,8 @@ impl Default for SchedulerConfig {
             auth: AuthConfig::default(),
             grpc: ServerLimits::default(),
             vacuum_every_ms: 10_000,
+            submission_batch: 32,
+            submission_committers: 2,
         }
     }
 }

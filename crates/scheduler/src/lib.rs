@@ -89,7 +89,25 @@ pub async fn run(
         store.clone(),
         (config.submissions_per_second, config.submission_burst),
     )?;
-    let service = service::Workflows::new(store, bus, config.limits(), guard, relay_wake);
+    // submission batching, when on: submissions arriving together share one statement, on
+    // connections of their own
+    let submissions = match config.submission_batch > 1 {
+        true => Some(z29c_store::submissions::SubmissionBatches::start(
+            &Store::connect_with(
+                &config.database_url,
+                config.submission_committers as u32,
+                z29c_store::BATCH_SESSION_SETTINGS,
+            )
+            .await
+            .context("connect the submission committers to PostgreSQL")?,
+            &store,
+            config.submission_committers,
+            config.submission_batch,
+        )),
+        false => None,
+    };
+    let service =
+        service::Workflows::new(store, bus, config.limits(), guard, relay_wake, submissions);
     tracing::info!(%addr, "scheduler listening");
     if let Some(ready) = ready {
         let _ = ready.send(addr);

@@ -17,7 +17,10 @@ use z29c_proto::v1::workflow_service_server::WorkflowService;
 use z29c_proto::v1::{self as pb};
 use z29c_runtime::{Guard, status_from_store};
 use z29c_store::Store;
-use z29c_store::workflows::{NewStep, NewWorkflow, StepDetail, SubmitLimits, WorkflowDetail};
+use z29c_store::submissions::SubmissionBatches;
+use z29c_store::workflows::{
+    NewStep, NewWorkflow, Prepared, StepDetail, SubmitLimits, WorkflowDetail,
+};
 
 #[derive(Debug, Clone)]
 pub struct Workflows {
@@ -29,6 +32,8 @@ pub struct Workflows {
     guard: Guard,
     /// Wakes this scheduler's outbox relay: a new workflow's `step.ready` hints go out at once.
     relay_wake: Arc<Notify>,
+    /// Submission batching, when on: concurrent submissions share statements.
+    submissions: Option<SubmissionBatches>,
 }
 
 impl Workflows {
@@ -38,6 +43,7 @@ impl Workflows {
         limits: SubmitLimits,
         guard: Guard,
         relay_wake: Arc<Notify>,
+        submissions: Option<SubmissionBatches>,
     ) -> Self {
         Self {
             store,
@@ -45,6 +51,7 @@ impl Workflows {
             limits,
             guard,
             relay_wake,
+            submissions,
         }
     }
 }
@@ -255,16 +262,18 @@ impl Workflows {
                 format!("no gateway serves adapter {:?}", wf.steps[i].adapter),
             ));
         }
-        let submitted = self
-            .store
-            .submit_workflow(&wf, &self.limits)
-            .await
-            .map_err(status_from_store)?;
+        let steps = wf.steps.len();
+        let prepared = Prepared::new(wf, &self.limits).map_err(status_from_store)?;
+        let submitted = match &self.submissions {
+            Some(batches) => batches.submit(prepared).await,
+            None => self.store.submit_prepared(&prepared).await,
+        }
+        .map_err(status_from_store)?;
         if submitted.created {
             self.relay_wake.notify_one();
         }
         tracing::Span::current().record("workflow", tracing::field::display(&submitted.workflow));
-        tracing::info!(workflow = %submitted.workflow, created = submitted.created, steps = wf.steps.len(), "workflow submitted");
+        tracing::info!(workflow = %submitted.workflow, created = submitted.created, steps, "workflow submitted");
         z29c_telemetry::metrics::counter!(
             z29c_telemetry::WORKFLOW_SUBMISSIONS,
             "created" => if submitted.created { "true" } else { "false" }

@@ -8,6 +8,7 @@
 //!
 //! # Layout
 //! - [`workflows`]: submit (idempotent on a client key), get, list, cancel.
+//! - [`submissions`]: concurrent submissions in one statement (the scheduler's batching).
 //! - [`leases`]: claim, renew, checkpoints, receipt commit, late observations, release.
 //! - [`recovery`]: expired-lease scan, recovery leases, recovery decisions.
 //! - [`review`]: the review queue and audited resolutions.
@@ -33,6 +34,7 @@ pub mod permits;
 pub mod receipts;
 pub mod recovery;
 pub mod review;
+pub mod submissions;
 pub mod workflows;
 
 mod fence;

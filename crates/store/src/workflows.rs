@@ -296,145 +296,49 @@ impl NewWorkflow {
     }
 }
 
-impl Store {
-    /// Submits a workflow, idempotently on its client key: the same key and payload return the
-    /// first submission (`created = false`); the same key with a different payload is
-    /// [`StoreError::Conflict`]. Steps without dependencies are ready at once.
-    ///
-    /// A new workflow is written by one statement, in one round trip and one commit: the
-    /// workflow, its steps, their dependencies and the ready steps' `step.ready` messages
-    /// (data-modifying CTEs; the foreign keys are checked at the statement's end, when all are
-    /// in). Its answer, [`Submitted::detail`], is built from what was written, not read back.
-    pub async fn submit_workflow(
-        &self,
-        wf: &NewWorkflow,
-        limits: &SubmitLimits,
-    ) -> Result<Submitted> {
+/// A validated submission, with the ids and digests its statement writes and its answer
+/// reports.
+#[derive(Debug, Clone)]
+pub struct Prepared {
+    wf: NewWorkflow,
+    id: WorkflowId,
+    digest: InputDigest,
+    step_ids: Vec<StepId>,
+    input_digests: Vec<InputDigest>,
+}
+
+impl Prepared {
+    /// Validates `wf` against `limits` and gives it and its steps their ids.
+    pub fn new(wf: NewWorkflow, limits: &SubmitLimits) -> Result<Self> {
         wf.validate(limits)?;
         let digest = wf.digest();
-        let id = WorkflowId::new();
-        let ids: Vec<StepId> = wf.steps.iter().map(|_| StepId::new()).collect();
+        let step_ids = wf.steps.iter().map(|_| StepId::new()).collect();
         // each input's digest is both written and answered: hashed once
-        let digests: Vec<InputDigest> = wf
+        let input_digests = wf
             .steps
             .iter()
             .map(|s| InputDigest::of_json(&s.input))
             .collect();
-        let position = |name: &StepName| {
-            wf.steps
-                .iter()
-                .position(|x| &x.name == name)
-                .ok_or_else(|| StoreError::invalid("depends_on", "unknown step"))
-        };
-        let (mut dependent, mut dependency) = (Vec::new(), Vec::new());
-        for (i, s) in wf.steps.iter().enumerate() {
-            for dep in &s.depends_on {
-                dependent.push(ids[i].as_uuid());
-                dependency.push(ids[position(dep)?].as_uuid());
-            }
-        }
-        let steps: Vec<Value> = wf
-            .steps
-            .iter()
-            .zip(ids.iter().zip(&digests))
-            .enumerate()
-            .map(|(i, (s, (step, digest)))| {
-                let p = &s.policy;
-                json!({
-                    "id": step.as_uuid(),
-                    "name": s.name.as_str(),
-                    "position": i,
-                    "adapter": s.adapter,
-                    "operation": s.operation,
-                    "input": s.input,
-                    "input_digest": digest.as_str(),
-                    "lease_ms": millis(p.lease),
-                    "renew_every_ms": millis(p.renew_every),
-                    "attempt_deadline_ms": millis(p.attempt_deadline),
-                    "final_grace_ms": millis(p.final_grace),
-                    "adapter_timeout_ms": millis(p.adapter_timeout),
-                    "progress_observable": p.progress_observable,
-                    "max_attempts": p.max_attempts,
-                    "state": submitted_state(s).as_str(),
-                    "pending_deps": s.depends_on.len(),
-                })
-            })
-            .collect();
-        let ready: Vec<Uuid> = wf
-            .steps
-            .iter()
-            .zip(&ids)
-            .filter(|(s, _)| s.depends_on.is_empty())
-            .map(|(_, step)| step.as_uuid())
-            .collect();
-        let created_at: Option<DateTime<Utc>> = sqlx::query_scalar(
-            "WITH w AS (
-                 INSERT INTO workflows (id, client_key, submission_digest, name, deadline,
-                                        trace_context)
-                 VALUES ($1, $2, $3, $4, $5, $6)
-                 ON CONFLICT (client_key) DO NOTHING
-                 RETURNING id, trace_context, created_at
-             ), s AS (
-                 INSERT INTO steps (id, workflow_id, name, position, adapter, operation, input,
-                     input_digest, lease_ms, renew_every_ms, attempt_deadline_ms, final_grace_ms,
-                     adapter_timeout_ms, progress_observable, max_attempts, state, pending_deps)
-                 SELECT x.id, w.id, x.name, x.position, x.adapter, x.operation, x.input,
-                     x.input_digest, x.lease_ms, x.renew_every_ms, x.attempt_deadline_ms,
-                     x.final_grace_ms, x.adapter_timeout_ms, x.progress_observable,
-                     x.max_attempts, x.state::step_state, x.pending_deps
-                 FROM w, jsonb_to_recordset($7) AS x(id uuid, name text, position integer,
-                     adapter text, operation text, input jsonb, input_digest text,
-                     lease_ms integer, renew_every_ms integer, attempt_deadline_ms integer,
-                     final_grace_ms integer, adapter_timeout_ms integer,
-                     progress_observable boolean, max_attempts integer, state text,
-                     pending_deps integer)
-             ), d AS (
-                 INSERT INTO step_dependencies (step_id, depends_on)
-                 SELECT x.step_id, x.depends_on
-                 FROM w, unnest($8::uuid[], $9::uuid[]) AS x(step_id, depends_on)
-             ), o AS (
-                 INSERT INTO outbox (msg_id, kind, workflow_id, step_id, payload, trace_context)
-                 SELECT $10::text || '-' || z29c_uuid_v7()::text, $10, w.id, r.id, '{}',
-                        w.trace_context
-                 FROM w, unnest($11::uuid[]) AS r(id)
-             )
-             SELECT created_at FROM w",
-        )
-        .bind(id.as_uuid())
-        .bind(wf.client_key.as_str())
-        .bind(digest.as_str())
-        .bind(&wf.name)
-        .bind(wf.deadline)
-        .bind(wf.trace_context.as_deref().filter(|t| t.len() <= 256))
-        .bind(Value::Array(steps))
-        .bind(&dependent)
-        .bind(&dependency)
-        .bind(MessageKind::StepReady.as_str())
-        .bind(&ready)
-        .fetch_optional(&self.pool)
-        .await?;
-        let Some(created_at) = created_at else {
-            let (existing, existing_digest): (Uuid, String) =
-                sqlx::query_as("SELECT id, submission_digest FROM workflows WHERE client_key = $1")
-                    .bind(wf.client_key.as_str())
-                    .fetch_one(&self.pool)
-                    .await?;
-            if existing_digest != digest.as_str() {
-                return Err(StoreError::Conflict(format!(
-                    "client key {:?} was used for a different submission ({existing})",
-                    wf.client_key.as_str()
-                )));
-            }
-            return Ok(Submitted {
-                workflow: WorkflowId::from_uuid(existing),
-                created: false,
-                detail: None,
-            });
-        };
+        Ok(Self {
+            wf,
+            id: WorkflowId::new(),
+            digest,
+            step_ids,
+            input_digests,
+        })
+    }
+
+    pub fn client_key(&self) -> &ClientKey {
+        &self.wf.client_key
+    }
+
+    /// The answer for this submission, written by a commit at `created_at`.
+    fn created(&self, created_at: DateTime<Utc>) -> Submitted {
+        let wf = &self.wf;
         let steps = wf
             .steps
             .iter()
-            .zip(ids.iter().zip(&digests))
+            .zip(self.step_ids.iter().zip(&self.input_digests))
             .map(|(s, (step, digest))| StepDetail {
                 id: *step,
                 name: s.name.as_str().to_owned(),
@@ -455,11 +359,11 @@ impl Store {
                 receipt: None,
             })
             .collect();
-        Ok(Submitted {
-            workflow: id,
+        Submitted {
+            workflow: self.id,
             created: true,
             detail: Some(WorkflowDetail {
-                id,
+                id: self.id,
                 client_key: wf.client_key.as_str().to_owned(),
                 name: wf.name.clone(),
                 state: WorkflowState::Running,
@@ -467,7 +371,195 @@ impl Store {
                 created_at,
                 steps,
             }),
+        }
+    }
+}
+
+impl Store {
+    /// Submits a workflow, idempotently on its client key: the same key and payload return the
+    /// first submission (`created = false`); the same key with a different payload is
+    /// [`StoreError::Conflict`]. Steps without dependencies are ready at once.
+    ///
+    /// A new workflow is written by one statement, in one round trip and one commit: the
+    /// workflow, its steps, their dependencies and the ready steps' `step.ready` messages
+    /// (data-modifying CTEs; the foreign keys are checked at the statement's end, when all are
+    /// in). Its answer, [`Submitted::detail`], is built from what was written, not read back.
+    pub async fn submit_workflow(
+        &self,
+        wf: &NewWorkflow,
+        limits: &SubmitLimits,
+    ) -> Result<Submitted> {
+        self.submit_prepared(&Prepared::new(wf.clone(), limits)?)
+            .await
+    }
+
+    /// [`Store::submit_workflow`] of a validated submission.
+    pub async fn submit_prepared(&self, prepared: &Prepared) -> Result<Submitted> {
+        match self
+            .insert_workflows(std::slice::from_ref(prepared))
+            .await?
+            .pop()
+            .flatten()
+        {
+            Some(created) => Ok(created),
+            None => self.submitted_before(prepared).await,
+        }
+    }
+
+    /// The answer for a submission whose client key was taken: the earlier submission if it
+    /// was the same, [`StoreError::Conflict`] if not.
+    async fn submitted_before(&self, prepared: &Prepared) -> Result<Submitted> {
+        let key = prepared.client_key().as_str();
+        let (existing, existing_digest): (Uuid, String) =
+            sqlx::query_as("SELECT id, submission_digest FROM workflows WHERE client_key = $1")
+                .bind(key)
+                .fetch_one(&self.pool)
+                .await?;
+        if existing_digest != prepared.digest.as_str() {
+            return Err(StoreError::Conflict(format!(
+                "client key {key:?} was used for a different submission ({existing})"
+            )));
+        }
+        Ok(Submitted {
+            workflow: WorkflowId::from_uuid(existing),
+            created: false,
+            detail: None,
         })
+    }
+
+    /// Writes every submission of `batch` whose client key is free, in one statement (one
+    /// round trip, one commit), and answers each: the new workflow, or `None` where the key
+    /// was taken (by an earlier submission, or by another of the batch), which wrote nothing.
+    /// Keys are inserted in key order, so two batches that share keys cannot deadlock.
+    pub async fn insert_workflows(&self, batch: &[Prepared]) -> Result<Vec<Option<Submitted>>> {
+        let mut order: Vec<usize> = (0..batch.len()).collect();
+        order.sort_by(|&a, &b| {
+            batch[a]
+                .client_key()
+                .as_str()
+                .cmp(batch[b].client_key().as_str())
+        });
+        let (mut ids, mut keys, mut digests, mut names, mut deadlines, mut traces) =
+            (vec![], vec![], vec![], vec![], vec![], vec![]);
+        let (mut steps, mut dependent, mut dependency, mut dependency_workflow) =
+            (vec![], vec![], vec![], vec![]);
+        let (mut ready, mut ready_workflow) = (vec![], vec![]);
+        for &k in &order {
+            let p = &batch[k];
+            let wf = &p.wf;
+            let workflow = p.id.as_uuid();
+            ids.push(workflow);
+            keys.push(wf.client_key.as_str());
+            digests.push(p.digest.as_str());
+            names.push(wf.name.as_str());
+            deadlines.push(wf.deadline);
+            traces.push(wf.trace_context.as_deref().filter(|t| t.len() <= 256));
+            let position = |name: &StepName| {
+                wf.steps
+                    .iter()
+                    .position(|x| &x.name == name)
+                    .ok_or_else(|| StoreError::invalid("depends_on", "unknown step"))
+            };
+            for (i, s) in wf.steps.iter().enumerate() {
+                for dep in &s.depends_on {
+                    dependent.push(p.step_ids[i].as_uuid());
+                    dependency.push(p.step_ids[position(dep)?].as_uuid());
+                    dependency_workflow.push(workflow);
+                }
+                if s.depends_on.is_empty() {
+                    ready.push(p.step_ids[i].as_uuid());
+                    ready_workflow.push(workflow);
+                }
+                let policy = &s.policy;
+                steps.push(json!({
+                    "workflow_id": workflow,
+                    "id": p.step_ids[i].as_uuid(),
+                    "name": s.name.as_str(),
+                    "position": i,
+                    "adapter": s.adapter,
+                    "operation": s.operation,
+                    "input": s.input,
+                    "input_digest": p.input_digests[i].as_str(),
+                    "lease_ms": millis(policy.lease),
+                    "renew_every_ms": millis(policy.renew_every),
+                    "attempt_deadline_ms": millis(policy.attempt_deadline),
+                    "final_grace_ms": millis(policy.final_grace),
+                    "adapter_timeout_ms": millis(policy.adapter_timeout),
+                    "progress_observable": policy.progress_observable,
+                    "max_attempts": policy.max_attempts,
+                    "state": submitted_state(s).as_str(),
+                    "pending_deps": s.depends_on.len(),
+                }));
+            }
+        }
+        // steps, dependencies and messages are written for the workflows the first insert
+        // took: a taken key writes nothing else
+        let created: Vec<(Uuid, DateTime<Utc>)> = sqlx::query_as(
+            "WITH w AS (
+                 INSERT INTO workflows (id, client_key, submission_digest, name, deadline,
+                                        trace_context)
+                 SELECT x.id, x.client_key, x.digest, x.name, x.deadline, x.trace_context
+                 FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[],
+                             $5::timestamptz[], $6::text[])
+                     WITH ORDINALITY AS x (id, client_key, digest, name, deadline,
+                                           trace_context, n)
+                 ORDER BY x.n
+                 ON CONFLICT (client_key) DO NOTHING
+                 RETURNING id, trace_context, created_at
+             ), s AS (
+                 INSERT INTO steps (id, workflow_id, name, position, adapter, operation, input,
+                     input_digest, lease_ms, renew_every_ms, attempt_deadline_ms, final_grace_ms,
+                     adapter_timeout_ms, progress_observable, max_attempts, state, pending_deps)
+                 SELECT x.id, w.id, x.name, x.position, x.adapter, x.operation, x.input,
+                     x.input_digest, x.lease_ms, x.renew_every_ms, x.attempt_deadline_ms,
+                     x.final_grace_ms, x.adapter_timeout_ms, x.progress_observable,
+                     x.max_attempts, x.state::step_state, x.pending_deps
+                 FROM jsonb_to_recordset($7) AS x(workflow_id uuid, id uuid, name text,
+                     position integer, adapter text, operation text, input jsonb,
+                     input_digest text, lease_ms integer, renew_every_ms integer,
+                     attempt_deadline_ms integer, final_grace_ms integer,
+                     adapter_timeout_ms integer, progress_observable boolean,
+                     max_attempts integer, state text, pending_deps integer)
+                 JOIN w ON w.id = x.workflow_id
+             ), d AS (
+                 INSERT INTO step_dependencies (step_id, depends_on)
+                 SELECT x.step_id, x.depends_on
+                 FROM unnest($8::uuid[], $9::uuid[], $10::uuid[])
+                     AS x(step_id, depends_on, workflow_id)
+                 JOIN w ON w.id = x.workflow_id
+             ), o AS (
+                 INSERT INTO outbox (msg_id, kind, workflow_id, step_id, payload, trace_context)
+                 SELECT $11::text || '-' || z29c_uuid_v7()::text, $11, w.id, r.id, '{}',
+                        w.trace_context
+                 FROM unnest($12::uuid[], $13::uuid[]) AS r(id, workflow_id)
+                 JOIN w ON w.id = r.workflow_id
+             )
+             SELECT id, created_at FROM w",
+        )
+        .bind(&ids)
+        .bind(&keys)
+        .bind(&digests)
+        .bind(&names)
+        .bind(&deadlines)
+        .bind(&traces)
+        .bind(Value::Array(steps))
+        .bind(&dependent)
+        .bind(&dependency)
+        .bind(&dependency_workflow)
+        .bind(MessageKind::StepReady.as_str())
+        .bind(&ready)
+        .bind(&ready_workflow)
+        .fetch_all(&self.pool)
+        .await?;
+        Ok(batch
+            .iter()
+            .map(|p| {
+                created
+                    .iter()
+                    .find(|(id, _)| *id == p.id.as_uuid())
+                    .map(|&(_, at)| p.created(at))
+            })
+            .collect())
     }
 
     /// A workflow with its steps, their latest attempt and their receipts.
