@@ -207,3 +207,115 @@ async fn concurrent_submissions_share_statements_and_each_key_is_written_once(po
         "30 workflows in {transactions} transactions: the submissions shared no statement"
     );
 }
+
+/// The scheduler publishes a submission's `step.ready` messages from its answer, without a
+/// relay's claim: they must be the outbox rows the statement wrote, field for field (the ids
+/// the relay deletes them by, the msg ids JetStream drops a second publish by), each under its
+/// own workflow, and only the ready steps'. A taken key wrote nothing and hands over nothing.
+#[sqlx::test(migrator = "MIGRATOR")]
+async fn each_submission_hands_over_its_own_ready_messages_as_the_outbox_holds_them(pool: PgPool) {
+    let store = Store::from_pool(pool.clone());
+    let taken = workflow("taken", vec![step("only", &[])]);
+    let first = submit(&store, &taken).await;
+    assert_eq!(first.ready_messages.len(), 1);
+    let fan = workflow(
+        "fan",
+        vec![step("a", &[]), step("b", &[]), step("c", &["a", "b"])],
+    );
+    let submitted = [diamond("diamond"), taken.clone(), fan];
+    let batch: Vec<Prepared> = submitted.iter().map(prepared).collect();
+    let answers = batch_store(&pool)
+        .await
+        .insert_workflows(&batch)
+        .await
+        .unwrap();
+    assert!(answers[1].is_none());
+    let mut handed: Vec<_> = answers
+        .iter()
+        .flatten()
+        .flat_map(|a| a.ready_messages.clone())
+        .chain(first.ready_messages.clone())
+        .collect();
+    handed.sort_by_key(|m| m.id);
+    let mut stored = store
+        .claim_outbox(&owner("relay"), 100, std::time::Duration::from_secs(30))
+        .await
+        .unwrap();
+    stored.sort_by_key(|m| m.id);
+    assert_eq!(
+        stored.len(),
+        1 + 1 + 2,
+        "one message per ready step, none for blocked ones"
+    );
+    assert_eq!(handed.len(), stored.len());
+    for (h, s) in handed.iter().zip(&stored) {
+        assert_eq!(
+            (
+                h.id,
+                &h.msg_id,
+                &h.kind,
+                h.workflow_id,
+                h.step_id,
+                &h.payload
+            ),
+            (
+                s.id,
+                &s.msg_id,
+                &s.kind,
+                s.workflow_id,
+                s.step_id,
+                &s.payload
+            )
+        );
+        assert_eq!(h.created_at, s.created_at);
+        assert_eq!(h.trace_context, s.trace_context);
+        assert_eq!(h.kind, "step_ready");
+    }
+    for (answer, wf) in answers.iter().zip(&submitted) {
+        let Some(answer) = answer else { continue };
+        let detail = answer.detail.as_ref().unwrap();
+        let mut ready: Vec<Uuid> = detail
+            .steps
+            .iter()
+            .filter(|s| s.state == z29c_core::StepState::Ready)
+            .map(|s| s.id.as_uuid())
+            .collect();
+        ready.sort();
+        let mut steps: Vec<Uuid> = answer
+            .ready_messages
+            .iter()
+            .filter_map(|m| m.step_id)
+            .collect();
+        steps.sort();
+        assert_eq!(
+            steps,
+            ready,
+            "{}: its ready steps' messages",
+            wf.client_key.as_str()
+        );
+        assert!(
+            answer
+                .ready_messages
+                .iter()
+                .all(|m| m.workflow_id == answer.workflow.as_uuid()
+                    && m.trace_context == wf.trace_context)
+        );
+    }
+    // what was published from the answers is deleted by the relay's next claim
+    let ids: Vec<i64> = handed.iter().map(|m| m.id).collect();
+    let (marked, next) = store
+        .mark_outbox_sent_and_claim(
+            &ids,
+            &owner("relay"),
+            10,
+            std::time::Duration::from_secs(30),
+        )
+        .await
+        .unwrap();
+    assert_eq!((marked, next.len()), (4, 0));
+    assert_eq!(store.outbox_backlog().await.unwrap(), 0);
+    let again = submit(&store, &taken).await;
+    assert!(!again.created);
+    assert!(again.ready_messages.is_empty());
+    assert_eq!(store.outbox_backlog().await.unwrap(), 0);
+}
