@@ -106,7 +106,8 @@ pub async fn run(
         )),
         false => None,
     };
-    let service = service::Workflows::new(store, bus, config.limits(), guard, fresh, submissions);
+    let service =
+        service::Workflows::new(store, bus, config.limits(), guard, fresh, submissions);
     tracing::info!(%addr, "scheduler listening");
     if let Some(ready) = ready {
         let _ = ready.send(addr);
