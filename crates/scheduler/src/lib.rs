@@ -17,6 +17,7 @@ pub mod relay;
 pub mod service;
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 
 use anyhow::Context;
 use tokio_util::sync::CancellationToken;
@@ -49,14 +50,13 @@ pub async fn run(
         .await
         .with_context(|| format!("bind {}", config.listen))?;
     let addr = listener.local_addr()?;
-    // a submission's `step.ready` messages go to the relay to be published at once, instead
-    // of waiting for a claim
-    let (fresh, fresh_rx) = tokio::sync::mpsc::channel(relay::FRESH_QUEUE);
+    // a submission wakes the relay at once instead of at its next poll
+    let relay_wake = Arc::new(tokio::sync::Notify::new());
     let relay = tokio::spawn(relay::relay(
         store.clone(),
         bus.clone(),
         config.id.clone(),
-        fresh_rx,
+        relay_wake.clone(),
         shutdown.clone(),
     ));
     let sweep = tokio::spawn(relay::deadline_sweep(store.clone(), shutdown.clone()));
@@ -107,7 +107,7 @@ pub async fn run(
         false => None,
     };
     let service =
-        service::Workflows::new(store, bus, config.limits(), guard, fresh, submissions);
+        service::Workflows::new(store, bus, config.limits(), guard, relay_wake, submissions);
     tracing::info!(%addr, "scheduler listening");
     if let Some(ready) = ready {
         let _ = ready.send(addr);

@@ -1,8 +1,9 @@
 //! The outbox relay and the workflow-deadline sweep.
 
+use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::mpsc;
+use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 use z29c_bus::wire::{self, envelope::Body};
@@ -14,18 +15,13 @@ use z29c_store::outbox::OutboxMessage;
 /// Publishes committed outbox messages with `Nats-Msg-Id`, then marks them sent. A relay that
 /// dies between the two leaves its claim to expire; the next publish is a JetStream duplicate.
 ///
-/// Two ways in. This scheduler's own submissions hand over their `step.ready` messages as
-/// committed (`fresh`): they are published at once, with no claim, which at moderate load was
-/// a transaction per submission. Everything else (other processes' transactions: receipts,
-/// released dependents, recovery) is claimed from the outbox: at once while batches come back
-/// full, otherwise every 50 ms. Whatever was published is deleted with the next claim; a fresh
-/// message that another relay claims meanwhile is published twice under one msg id, and
-/// JetStream drops the second.
+/// After a batch short of the limit it polls every 50 ms (other processes' transactions write
+/// the outbox too); `wake` ends the wait at once, for this scheduler's own submissions.
 pub async fn relay(
     store: Store,
     bus: Bus,
     id: String,
-    mut fresh: mpsc::Receiver<Vec<OutboxMessage>>,
+    wake: Arc<Notify>,
     shutdown: CancellationToken,
 ) {
     let Ok(owner) = OwnerId::parse(format!("{id}-relay")) else {
@@ -53,32 +49,49 @@ pub async fn relay(
                 continue;
             }
         };
-        publish(&bus, &batch, &mut sent).await;
-        if batch.len() == BATCH as usize {
-            continue; // more may be waiting: claim again at once
+        // the batch is sent back to back, then its acknowledgements are awaited in order: one
+        // round trip per batch instead of one per message. Only what the stream acknowledged is
+        // marked; the rest is republished under the same msg ids once the claim expires
+        let mut in_flight = Vec::with_capacity(batch.len());
+        for msg in &batch {
+            let Some(envelope) = envelope(msg) else {
+                tracing::error!(kind = %msg.kind, id = msg.id, "outbox message of unknown kind; marking sent");
+                sent.push(msg.id);
+                continue;
+            };
+            // one span per message, in the workflow's trace; the consumer continues it
+            let span = tracing::info_span!("outbox.publish", kind = %msg.kind, workflow = %msg.workflow_id, trace_id = tracing::field::Empty);
+            z29c_telemetry::trace::set_parent(&span, msg.trace_context.as_deref());
+            let traceparent = z29c_telemetry::trace::traceparent_of(&span);
+            match bus
+                .send_traced(&envelope, traceparent.as_deref())
+                .instrument(span.clone())
+                .await
+            {
+                Ok(pending) => in_flight.push((msg.id, pending, span)),
+                Err(e) => {
+                    tracing::warn!(error = %e, "publish failed; the claim will expire and be retried");
+                    break;
+                }
+            }
         }
-        // a batch short of the limit took every message there was: until the next poll,
-        // publish this scheduler's submissions as they commit, without a claim each
-        let poll = tokio::time::Instant::now() + POLL;
-        loop {
+        for (id, pending, span) in in_flight {
+            match pending.acked().instrument(span).await {
+                Ok(_) => sent.push(id),
+                Err(e) => {
+                    tracing::warn!(error = %e, "publish not acknowledged; the claim will expire and be retried");
+                }
+            }
+        }
+        // a batch short of the limit took every message there was: wait for the next one
+        // (a submission's wake is kept if it came during the publish) instead of asking again
+        // at once, which found nothing almost every time at moderate load, a transaction each.
+        // What was just published is marked with the next claim.
+        if batch.len() < BATCH as usize {
             tokio::select! {
-                _ = shutdown.cancelled() => break,
-                _ = tokio::time::sleep_until(poll) => break,
-                next = fresh.recv() => match next {
-                    // what other submissions handed over meanwhile shares the acknowledgements'
-                    // round trip
-                    Some(mut messages) => {
-                        while let Ok(more) = fresh.try_recv() {
-                            messages.extend(more);
-                        }
-                        publish(&bus, &messages, &mut sent).await
-                    }
-                    // no submissions any more (the service is gone): polls only
-                    None => {
-                        pause(&shutdown, poll.saturating_duration_since(tokio::time::Instant::now())).await;
-                        break;
-                    }
-                },
+                _ = shutdown.cancelled() => {}
+                _ = wake.notified() => {}
+                _ = tokio::time::sleep(Duration::from_millis(50)) => {}
             }
         }
     }
@@ -88,51 +101,6 @@ pub async fn relay(
         tracing::warn!(error = %e, "marking outbox sent failed; duplicates will be dropped by msg-id");
     }
 }
-
-/// Publishes `batch` and adds to `sent` what the stream acknowledged. The messages are sent
-/// back to back, then their acknowledgements awaited in order: one round trip per batch
-/// instead of one per message. What was not acknowledged stays in the outbox, to be
-/// republished under the same msg ids once a relay claims it.
-async fn publish(bus: &Bus, batch: &[OutboxMessage], sent: &mut Vec<i64>) {
-    let mut in_flight = Vec::with_capacity(batch.len());
-    for msg in batch {
-        let Some(envelope) = envelope(msg) else {
-            tracing::error!(kind = %msg.kind, id = msg.id, "outbox message of unknown kind; marking sent");
-            sent.push(msg.id);
-            continue;
-        };
-        // one span per message, in the workflow's trace; the consumer continues it
-        let span = tracing::info_span!("outbox.publish", kind = %msg.kind, workflow = %msg.workflow_id, trace_id = tracing::field::Empty);
-        z29c_telemetry::trace::set_parent(&span, msg.trace_context.as_deref());
-        let traceparent = z29c_telemetry::trace::traceparent_of(&span);
-        match bus
-            .send_traced(&envelope, traceparent.as_deref())
-            .instrument(span.clone())
-            .await
-        {
-            Ok(pending) => in_flight.push((msg.id, pending, span)),
-            Err(e) => {
-                tracing::warn!(error = %e, "publish failed; a relay's claim will retry it");
-                break;
-            }
-        }
-    }
-    for (id, pending, span) in in_flight {
-        match pending.acked().instrument(span).await {
-            Ok(_) => sent.push(id),
-            Err(e) => {
-                tracing::warn!(error = %e, "publish not acknowledged; a relay's claim will retry it");
-            }
-        }
-    }
-}
-
-/// How often the relay claims from the outbox when its last batch was short.
-const POLL: Duration = Duration::from_millis(50);
-
-/// Room for submissions' messages waiting to be published at once; when it is full, a
-/// submission's messages wait in the outbox for the next poll instead.
-pub const FRESH_QUEUE: usize = 1024;
 
 /// Most messages claimed at once, and how long a claim holds them from other relays.
 const BATCH: i64 = 200;

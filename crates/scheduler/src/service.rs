@@ -2,9 +2,10 @@
 //! lease history kept under technical details.
 
 use std::pin::Pin;
+use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::mpsc;
+use tokio::sync::Notify;
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 use tracing::Instrument;
@@ -16,7 +17,6 @@ use z29c_proto::v1::workflow_service_server::WorkflowService;
 use z29c_proto::v1::{self as pb};
 use z29c_runtime::{Guard, status_from_store};
 use z29c_store::Store;
-use z29c_store::outbox::OutboxMessage;
 use z29c_store::submissions::SubmissionBatches;
 use z29c_store::workflows::{
     NewStep, NewWorkflow, Prepared, StepDetail, SubmitLimits, WorkflowDetail,
@@ -30,8 +30,8 @@ pub struct Workflows {
     gateways: Gateways,
     limits: SubmitLimits,
     guard: Guard,
-    /// This scheduler's outbox relay: a new workflow's `step.ready` messages go out at once.
-    relay: mpsc::Sender<Vec<OutboxMessage>>,
+    /// Wakes this scheduler's outbox relay: a new workflow's `step.ready` hints go out at once.
+    relay_wake: Arc<Notify>,
     /// Submission batching, when on: concurrent submissions share statements.
     submissions: Option<SubmissionBatches>,
 }
@@ -42,7 +42,7 @@ impl Workflows {
         bus: Bus,
         limits: SubmitLimits,
         guard: Guard,
-        relay: mpsc::Sender<Vec<OutboxMessage>>,
+        relay_wake: Arc<Notify>,
         submissions: Option<SubmissionBatches>,
     ) -> Self {
         Self {
@@ -50,7 +50,7 @@ impl Workflows {
             gateways: Gateways::new(bus, z29c_security::TlsConfig::default()),
             limits,
             guard,
-            relay,
+            relay_wake,
             submissions,
         }
     }
@@ -264,16 +264,13 @@ impl Workflows {
         }
         let steps = wf.steps.len();
         let prepared = Prepared::new(wf, &self.limits).map_err(status_from_store)?;
-        let mut submitted = match &self.submissions {
+        let submitted = match &self.submissions {
             Some(batches) => batches.submit(prepared).await,
             None => self.store.submit_prepared(&prepared).await,
         }
         .map_err(status_from_store)?;
-        // a relay too busy to take them finds them in the outbox at its next poll
-        if !submitted.ready_messages.is_empty() {
-            let _ = self
-                .relay
-                .try_send(std::mem::take(&mut submitted.ready_messages));
+        if submitted.created {
+            self.relay_wake.notify_one();
         }
         tracing::Span::current().record("workflow", tracing::field::display(&submitted.workflow));
         tracing::info!(workflow = %submitted.workflow, created = submitted.created, steps, "workflow submitted");

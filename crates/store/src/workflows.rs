@@ -13,7 +13,7 @@ use z29c_core::{
 };
 
 use crate::error::parse;
-use crate::outbox::{self, MessageKind, OutboxMessage};
+use crate::outbox::{self, MessageKind};
 use crate::{Result, Store, StoreError, millis};
 
 /// A step as submitted.
@@ -68,12 +68,6 @@ pub struct Submitted {
     /// leased yet), built from what was written; `None` when the key named an earlier
     /// submission, which only a read can tell.
     pub detail: Option<WorkflowDetail>,
-    /// The `step.ready` messages the submission wrote to the outbox, as written (empty when
-    /// the key named an earlier submission): the scheduler publishes them at once, without a
-    /// relay's claim, and its relay deletes them with its next claim (see
-    /// `z29c_scheduler::relay`). They stay in the outbox until then, so a publish that never
-    /// happens is a relay's to make.
-    pub ready_messages: Vec<OutboxMessage>,
 }
 
 /// A step's state at submission: ready unless it waits for others.
@@ -302,9 +296,6 @@ impl NewWorkflow {
     }
 }
 
-/// The longest W3C `traceparent` a workflow keeps; a longer one is dropped, not cut.
-const MAX_TRACE_CONTEXT: usize = 256;
-
 /// A validated submission, with the ids and digests its statement writes and its answer
 /// reports.
 #[derive(Debug, Clone)]
@@ -341,9 +332,8 @@ impl Prepared {
         &self.wf.client_key
     }
 
-    /// The answer for this submission, written by a commit at `created_at` with its ready
-    /// steps' outbox messages `(id, msg_id, step)`.
-    fn created(&self, created_at: DateTime<Utc>, messages: &[(i64, String, Uuid)]) -> Submitted {
+    /// The answer for this submission, written by a commit at `created_at`.
+    fn created(&self, created_at: DateTime<Utc>) -> Submitted {
         let wf = &self.wf;
         let steps = wf
             .steps
@@ -369,28 +359,9 @@ impl Prepared {
                 receipt: None,
             })
             .collect();
-        let trace_context = wf
-            .trace_context
-            .as_deref()
-            .filter(|t| t.len() <= MAX_TRACE_CONTEXT)
-            .map(str::to_owned);
-        let ready_messages = messages
-            .iter()
-            .map(|(id, msg_id, step)| OutboxMessage {
-                id: *id,
-                msg_id: msg_id.clone(),
-                kind: MessageKind::StepReady.as_str().to_owned(),
-                workflow_id: self.id.as_uuid(),
-                step_id: Some(*step),
-                payload: json!({}),
-                created_at,
-                trace_context: trace_context.clone(),
-            })
-            .collect();
         Submitted {
             workflow: self.id,
             created: true,
-            ready_messages,
             detail: Some(WorkflowDetail {
                 id: self.id,
                 client_key: wf.client_key.as_str().to_owned(),
@@ -453,7 +424,6 @@ impl Store {
             workflow: WorkflowId::from_uuid(existing),
             created: false,
             detail: None,
-            ready_messages: Vec::new(),
         })
     }
 
@@ -483,11 +453,7 @@ impl Store {
             digests.push(p.digest.as_str());
             names.push(wf.name.as_str());
             deadlines.push(wf.deadline);
-            traces.push(
-                wf.trace_context
-                    .as_deref()
-                    .filter(|t| t.len() <= MAX_TRACE_CONTEXT),
-            );
+            traces.push(wf.trace_context.as_deref().filter(|t| t.len() <= 256));
             let position = |name: &StepName| {
                 wf.steps
                     .iter()
@@ -528,16 +494,7 @@ impl Store {
         }
         // steps, dependencies and messages are written for the workflows the first insert
         // took: a taken key writes nothing else
-        // one row per ready step's message (a workflow without one: a row of NULLs), so the
-        // scheduler can publish them from the answer
-        type Written = (
-            Uuid,
-            DateTime<Utc>,
-            Option<i64>,
-            Option<String>,
-            Option<Uuid>,
-        );
-        let written: Vec<Written> = sqlx::query_as(
+        let created: Vec<(Uuid, DateTime<Utc>)> = sqlx::query_as(
             "WITH w AS (
                  INSERT INTO workflows (id, client_key, submission_digest, name, deadline,
                                         trace_context)
@@ -576,11 +533,8 @@ impl Store {
                         w.trace_context
                  FROM unnest($12::uuid[], $13::uuid[]) AS r(id, workflow_id)
                  JOIN w ON w.id = r.workflow_id
-                 RETURNING id, msg_id, workflow_id, step_id
              )
-             SELECT w.id, w.created_at, o.id, o.msg_id, o.step_id
-             FROM w LEFT JOIN o ON o.workflow_id = w.id
-             ORDER BY w.id, o.id",
+             SELECT id, created_at FROM w",
         )
         .bind(&ids)
         .bind(&keys)
@@ -597,22 +551,13 @@ impl Store {
         .bind(&ready_workflow)
         .fetch_all(&self.pool)
         .await?;
-        let mut created: std::collections::HashMap<
-            Uuid,
-            (DateTime<Utc>, Vec<(i64, String, Uuid)>),
-        > = std::collections::HashMap::with_capacity(batch.len());
-        for (workflow, at, id, msg_id, step) in written {
-            let entry = created.entry(workflow).or_insert_with(|| (at, Vec::new()));
-            if let (Some(id), Some(msg_id), Some(step)) = (id, msg_id, step) {
-                entry.1.push((id, msg_id, step));
-            }
-        }
         Ok(batch
             .iter()
             .map(|p| {
                 created
-                    .get(&p.id.as_uuid())
-                    .map(|(at, messages)| p.created(*at, messages))
+                    .iter()
+                    .find(|(id, _)| *id == p.id.as_uuid())
+                    .map(|&(_, at)| p.created(at))
             })
             .collect())
     }
