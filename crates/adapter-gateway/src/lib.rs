@@ -110,33 +110,21 @@ pub async fn run(
             }
         })
     };
-    if let Some(addr) = config.health_listen {
-        z29c_runtime::serve_plain_health(
-            addr,
-            "z29c.v1.AdapterGateway",
-            store.clone(),
-            bus.clone(),
-            shutdown.clone(),
-        )
-        .await?;
-    }
-    let health = z29c_runtime::health_service(
+    let health = z29c_runtime::health(
         "z29c.v1.AdapterGateway",
+        config.health_listen,
         store.clone(),
         bus.clone(),
         shutdown.clone(),
-    );
+    )
+    .await?;
     // invocation batching, when on: calls arriving together begin in shared statements, on a
     // pool whose sessions never plan a sequential scan (group commit covers them itself)
     let invocations = match !config.group_commit && config.invocation_batch > 1 {
         true => Some(z29c_store::invocations::InvocationBatches::start(
-            &Store::connect_with(
-                &config.database_url,
-                config.invocation_committers as u32,
-                z29c_store::BATCH_SESSION_SETTINGS,
-            )
-            .await
-            .context("connect the invocation committers to PostgreSQL")?,
+            &Store::connect_committers(&config.database_url, config.invocation_committers)
+                .await
+                .context("connect the invocation committers to PostgreSQL")?,
             &store,
             config.invocation_committers,
             config.invocation_batch,

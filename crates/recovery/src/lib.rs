@@ -39,22 +39,14 @@ pub async fn run(
     let bus = Bus::connect_with(&config.nats_url, &config.prefix, &config.nats_tls)
         .await
         .context("connect to NATS")?;
-    if let Some(addr) = config.health_listen {
-        z29c_runtime::serve_plain_health(
-            addr,
-            "z29c.v1.ReviewService",
-            store.clone(),
-            bus.clone(),
-            shutdown.clone(),
-        )
-        .await?;
-    }
-    let health = z29c_runtime::health_service(
+    let health = z29c_runtime::health(
         "z29c.v1.ReviewService",
+        config.health_listen,
         store.clone(),
         bus.clone(),
         shutdown.clone(),
-    );
+    )
+    .await?;
     let ctx = worker::Context {
         store: store.clone(),
         gateways: z29c_bus::gateways::Gateways::new(bus, config.tls.clone()),

@@ -202,6 +202,24 @@ pub async fn serve_plain_health(
     Ok(bound)
 }
 
+/// A serving service's health: the plaintext health-only port when `health_listen` is set
+/// ([`serve_plain_health`]), and the [`health_service`] to add beside the service itself on
+/// its mutually authenticated port.
+pub async fn health(
+    service: &'static str,
+    health_listen: Option<std::net::SocketAddr>,
+    store: z29c_store::Store,
+    bus: z29c_bus::Bus,
+    shutdown: CancellationToken,
+) -> anyhow::Result<
+    tonic_health::pb::health_server::HealthServer<impl tonic_health::pb::health_server::Health>,
+> {
+    if let Some(addr) = health_listen {
+        serve_plain_health(addr, service, store.clone(), bus.clone(), shutdown.clone()).await?;
+    }
+    Ok(health_service(service, store, bus, shutdown))
+}
+
 /// The one mapping from store errors to gRPC statuses.
 pub fn status_from_store(e: StoreError) -> tonic::Status {
     use tonic::Status;

@@ -67,22 +67,14 @@ pub async fn run(
             shutdown.clone(),
         ))
     });
-    if let Some(addr) = config.health_listen {
-        z29c_runtime::serve_plain_health(
-            addr,
-            "z29c.v1.WorkflowService",
-            store.clone(),
-            bus.clone(),
-            shutdown.clone(),
-        )
-        .await?;
-    }
-    let health = z29c_runtime::health_service(
+    let health = z29c_runtime::health(
         "z29c.v1.WorkflowService",
+        config.health_listen,
         store.clone(),
         bus.clone(),
         shutdown.clone(),
-    );
+    )
+    .await?;
     let guard = z29c_runtime::Guard::new(
         "z29c.v1.WorkflowService",
         &config.auth,
@@ -93,13 +85,9 @@ pub async fn run(
     // connections of their own
     let submissions = match config.submission_batch > 1 {
         true => Some(z29c_store::submissions::SubmissionBatches::start(
-            &Store::connect_with(
-                &config.database_url,
-                config.submission_committers as u32,
-                z29c_store::BATCH_SESSION_SETTINGS,
-            )
-            .await
-            .context("connect the submission committers to PostgreSQL")?,
+            &Store::connect_committers(&config.database_url, config.submission_committers)
+                .await
+                .context("connect the submission committers to PostgreSQL")?,
             &store,
             config.submission_committers,
             config.submission_batch,

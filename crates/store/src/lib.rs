@@ -98,6 +98,13 @@ impl Store {
         Self::connect_with(url, max_connections, &[]).await
     }
 
+    /// The pool of a batching path's committers ([`submissions::SubmissionBatches`],
+    /// [`receipts::ReceiptBatches`], [`invocations::InvocationBatches`]): one connection per
+    /// committer, each session with [`BATCH_SESSION_SETTINGS`].
+    pub async fn connect_committers(url: &str, committers: usize) -> Result<Self> {
+        Self::connect_with(url, committers as u32, BATCH_SESSION_SETTINGS).await
+    }
+
     /// [`Store::connect`], with server settings for every session of the pool (startup
     /// options, e.g. `("enable_seqscan", "off")` for a pool whose statements only look rows
     /// up by key).
