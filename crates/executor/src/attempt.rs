@@ -1,9 +1,12 @@
 //! One attempt, checkpoint by checkpoint (DESIGN.md §5). Every durable step is fenced by the
 //! store; this module decides only *what to try next*, never whether the lease still holds.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 use z29c_core::{Checkpoint, Deadlines, ExternalReference, FenceReason, Outcome};
@@ -32,9 +35,39 @@ pub struct Context {
     pub stall_after_response: Duration,
 }
 
+/// A worker's hold on the step it runs: its worker slot (one call in flight per worker) and
+/// the step's place among the leases the executor may hold.
+#[derive(Debug)]
+pub struct Worker {
+    pub slot: OwnedSemaphorePermit,
+    pub held: OwnedSemaphorePermit,
+    /// Places for answered steps whose receipts are being recorded.
+    pub recording: Arc<Semaphore>,
+    /// The claim loop's wake-up, and whether steps may be waiting to be claimed.
+    pub wake: Arc<Notify>,
+    pub backlog: Arc<AtomicBool>,
+}
+
+impl Worker {
+    /// Once the answer is in, the worker goes on to its next call while the receipt commits:
+    /// the slot and the lease's place are exchanged for a place among the steps being
+    /// recorded. The lease itself stays this attempt's until its receipt (or late evidence)
+    /// is durable. When every place is taken, the worker waits for one, so receipts that
+    /// cannot keep up hold the workers back instead of piling up.
+    async fn answered(self) -> Option<OwnedSemaphorePermit> {
+        let recording = self.recording.acquire_owned().await.ok();
+        drop(self.slot);
+        drop(self.held);
+        if self.backlog.load(Ordering::Relaxed) {
+            self.wake.notify_one();
+        }
+        recording
+    }
+}
+
 /// Runs one claimed step to a receipt, a release, or a hand-over to recovery. Errors are logged
 /// here: the durable state is always left somewhere recovery can reason from.
-pub async fn run(ctx: Context, step: ClaimedStep, claimed_at: Instant) {
+pub async fn run(ctx: Context, step: ClaimedStep, claimed_at: Instant, worker: Worker) {
     let span = tracing::info_span!(
         "attempt",
         step = %step.lease.step,
@@ -45,7 +78,10 @@ pub async fn run(ctx: Context, step: ClaimedStep, claimed_at: Instant) {
     );
     // the attempt joins the workflow's trace, begun at submission
     z29c_telemetry::trace::set_parent(&span, step.trace_context.as_deref());
-    if let Err(e) = attempt(&ctx, &step, claimed_at).instrument(span).await {
+    if let Err(e) = attempt(&ctx, &step, claimed_at, worker)
+        .instrument(span)
+        .await
+    {
         match e {
             StoreError::Fenced(reason) => {
                 counter!(z29c_telemetry::ATTEMPT_FENCING_REJECTIONS).increment(1);
@@ -66,7 +102,12 @@ pub async fn give_back(ctx: &Context, step: &ClaimedStep) {
 
 /// `claimed_at`: when the claim answered, on this process's monotonic clock (a step claimed
 /// ahead may wait for a worker: its deadlines run from the claim).
-async fn attempt(ctx: &Context, step: &ClaimedStep, claimed_at: Instant) -> Result<(), StoreError> {
+async fn attempt(
+    ctx: &Context,
+    step: &ClaimedStep,
+    claimed_at: Instant,
+    worker: Worker,
+) -> Result<(), StoreError> {
     let store = &ctx.store;
     let lease = &step.lease;
     // the claim created the attempt with its request identity, in one transaction
@@ -146,6 +187,8 @@ async fn attempt(ctx: &Context, step: &ClaimedStep, claimed_at: Instant) -> Resu
         );
         tokio::time::sleep(ctx.stall_after_response).await;
     }
+    // the call is over: the worker takes its next step while this one's outcome is recorded
+    let _recording = worker.answered().await;
     // the answer is in memory only; it becomes durable with the receipt
     crash_if_armed(CrashPoint::before(Checkpoint::ResponseObserved));
     let response = match answer {

@@ -86,13 +86,9 @@ pub async fn run(config: ExecutorConfig, shutdown: CancellationToken) -> anyhow:
     // covers receipts itself)
     let receipts = match !config.group_commit && config.receipt_batch > 1 {
         true => Some(z29c_store::receipts::ReceiptBatches::start(
-            &Store::connect_with(
-                &config.database_url,
-                config.receipt_committers as u32,
-                z29c_store::BATCH_SESSION_SETTINGS,
-            )
-            .await
-            .context("connect the receipt committers to PostgreSQL")?,
+            &Store::connect_committers(&config.database_url, config.receipt_committers)
+                .await
+                .context("connect the receipt committers to PostgreSQL")?,
             &store,
             config.receipt_committers,
             config.receipt_batch,
@@ -116,6 +112,9 @@ pub async fn run(config: ExecutorConfig, shutdown: CancellationToken) -> anyhow:
     // leases held at once: every worker's, and the steps claimed ahead waiting for a worker
     let ahead = config.claim_ahead.unwrap_or(config.workers / 4);
     let leases = Arc::new(Semaphore::new(config.workers + ahead));
+    // answered steps whose receipts are being recorded: their workers have gone on to the
+    // next call, so these hold leases beyond the ones above, at most one per worker
+    let recording = Arc::new(Semaphore::new(config.workers));
     // claiming ahead pays while attempts are short; once a step claimed ahead had to be given
     // back (every worker stayed busy past half its renewal interval), claiming ahead would
     // only claim and give back again and again: it stays off until an attempt ends within
@@ -173,11 +172,12 @@ pub async fn run(config: ExecutorConfig, shutdown: CancellationToken) -> anyhow:
                                 config.fault_stall_after_response_ms,
                             ),
                         };
-                        let (wake, backlog, slots, ahead_on) = (
+                        let (wake, backlog, slots, ahead_on, recording) = (
                             wake.clone(),
                             backlog.clone(),
                             slots.clone(),
                             ahead_on.clone(),
+                            recording.clone(),
                         );
                         tracker.spawn(async move {
                             // a step claimed ahead waits for a worker, no longer than half
@@ -190,9 +190,16 @@ pub async fn run(config: ExecutorConfig, shutdown: CancellationToken) -> anyhow:
                                 _ = ctx.stop.cancelled() => None,
                             };
                             match slot {
-                                Some(_slot) => {
+                                Some(slot) => {
                                     let began = std::time::Instant::now();
-                                    attempt::run(ctx, step, claimed_at).await;
+                                    let worker = attempt::Worker {
+                                        slot,
+                                        held,
+                                        recording,
+                                        wake: wake.clone(),
+                                        backlog: backlog.clone(),
+                                    };
+                                    attempt::run(ctx, step, claimed_at, worker).await;
                                     if began.elapsed() < patience {
                                         ahead_on.store(true, Ordering::Relaxed);
                                     }
@@ -202,9 +209,9 @@ pub async fn run(config: ExecutorConfig, shutdown: CancellationToken) -> anyhow:
                                     // already claims no further ahead
                                     ahead_on.store(false, Ordering::Relaxed);
                                     attempt::give_back(&ctx, &step).await;
+                                    drop(held);
                                 }
                             }
-                            drop(held);
                             if backlog.load(Ordering::Relaxed) {
                                 wake.notify_one();
                             }
