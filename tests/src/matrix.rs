@@ -726,7 +726,12 @@ async fn drive(
         }
         Fault::CommitDrop(after) => {
             let proxy = Proxy::start(upstream(run.cluster.db.url())?).await?;
-            let via = via_proxy(run.cluster.db.url(), proxy.port)?;
+            // no prepared statements kept: each statement's text crosses the proxy, which
+            // picks the receipt's transaction by it
+            let via = format!(
+                "{}&statement-cache-capacity=0",
+                via_proxy(run.cluster.db.url(), proxy.port)?
+            );
             run.executor(&[
                 ("Z29C_DATABASE_URL", via.as_str()),
                 ("Z29C_WORKERS", "1"),
@@ -750,12 +755,17 @@ async fn drive(
             run.submit("target", &target, "target", 1, p, None).await?;
             run.wait_for(INVOKED, "the invocation", Duration::from_secs(20))
                 .await?;
+            // the receipt's transaction; a claim's may commit beside it, since the worker
+            // goes on while its receipt commits
             proxy
-                .trap_next_commit(if after {
-                    CommitTrap::DropAfter
-                } else {
-                    CommitTrap::DropBefore
-                })
+                .trap_commit_of(
+                    "INSERT INTO step_receipts",
+                    if after {
+                        CommitTrap::DropAfter
+                    } else {
+                        CommitTrap::DropBefore
+                    },
+                )
                 .await;
             let start = Instant::now();
             while !proxy.sprung() && start.elapsed() < Duration::from_secs(15) {

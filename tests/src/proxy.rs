@@ -1,8 +1,10 @@
 //! A TCP proxy the harness puts between one service and PostgreSQL, to cut the connection
-//! while a call is in flight, or to drop it exactly at the `COMMIT` of a transaction: before
-//! the server saw it (the commit never happened) or after (it happened; the worker cannot
-//! know). sqlx sends `COMMIT` as a simple-protocol `Query` message, which the proxy spots in
-//! the client's byte stream.
+//! while a call is in flight, or to drop it exactly at the `COMMIT` of a chosen transaction:
+//! before the server saw it (the commit never happened) or after (it happened; the worker
+//! cannot know). sqlx sends `COMMIT` as a simple-protocol `Query` message, which the proxy
+//! spots in the client's byte stream; the transaction is chosen by a piece of its statements'
+//! text, which the client sends in each `Parse` when it caches no prepared statements
+//! (`statement-cache-capacity=0` in its URL).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -15,6 +17,8 @@ use tokio::sync::{Mutex, watch};
 
 /// `Query` message: 'Q', length 11 (4 + "COMMIT" + NUL), "COMMIT\0".
 const COMMIT: &[u8] = b"Q\x00\x00\x00\x0bCOMMIT\x00";
+/// `Query` message: 'Q', length 13 (4 + "ROLLBACK" + NUL), "ROLLBACK\0".
+const ROLLBACK: &[u8] = b"Q\x00\x00\x00\x0dROLLBACK\x00";
 
 /// Where a connection is dropped relative to the trapped `COMMIT`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -31,7 +35,8 @@ struct State {
     refusing: AtomicBool,
     /// Bumped to close every open connection.
     cut: watch::Sender<u64>,
-    trap: Mutex<Option<CommitTrap>>,
+    /// The trap, and the text a transaction must have sent for its `COMMIT` to spring it.
+    trap: Mutex<Option<(CommitTrap, Vec<u8>)>>,
     sprung: AtomicBool,
 }
 
@@ -74,9 +79,10 @@ impl Proxy {
         self.state.refusing.store(false, Ordering::SeqCst);
     }
 
-    /// Drops the connection that sends the next `COMMIT`, as `trap` says.
-    pub async fn trap_next_commit(&self, trap: CommitTrap) {
-        *self.state.trap.lock().await = Some(trap);
+    /// Drops the connection at the next `COMMIT` of a transaction that sent `marker` (a piece
+    /// of one of its statements), as `trap` says; other transactions' `COMMIT`s pass.
+    pub async fn trap_commit_of(&self, marker: &str, trap: CommitTrap) {
+        *self.state.trap.lock().await = Some((trap, marker.as_bytes().to_vec()));
     }
 
     /// Whether a trapped `COMMIT` has been dropped.
@@ -113,20 +119,33 @@ async fn pipe(client: TcpStream, state: Arc<State>) {
     };
     let up = async move {
         let mut buf = vec![0u8; 16 * 1024];
+        // what this connection's open transaction sent, kept only while a trap is set
+        let mut sent: Vec<u8> = Vec::new();
+        let has = |hay: &[u8], needle: &[u8]| hay.windows(needle.len()).any(|w| w == needle);
         loop {
             let n = match cr.read(&mut buf).await {
                 Ok(0) | Err(_) => return,
                 Ok(n) => n,
             };
             let chunk = &buf[..n];
-            if chunk.windows(COMMIT.len()).any(|w| w == COMMIT) {
-                let trap = state.trap.lock().await.take();
+            let mut guard = state.trap.lock().await;
+            if guard.is_some() {
+                sent.extend_from_slice(chunk);
+            }
+            let ends = has(chunk, COMMIT);
+            let chosen = ends && guard.as_ref().is_some_and(|(_, marker)| has(&sent, marker));
+            if ends || has(chunk, ROLLBACK) {
+                sent.clear();
+            }
+            let trap = if chosen { guard.take() } else { None };
+            drop(guard);
+            if let Some((trap, _)) = trap {
                 match trap {
-                    Some(CommitTrap::DropBefore) => {
+                    CommitTrap::DropBefore => {
                         state.sprung.store(true, Ordering::SeqCst);
                         return;
                     }
-                    Some(CommitTrap::DropAfter) => {
+                    CommitTrap::DropAfter => {
                         severed.store(true, Ordering::SeqCst);
                         let _ = sw.write_all(chunk).await;
                         state.sprung.store(true, Ordering::SeqCst);
@@ -134,7 +153,6 @@ async fn pipe(client: TcpStream, state: Arc<State>) {
                         tokio::time::sleep(Duration::from_millis(300)).await;
                         return;
                     }
-                    None => {}
                 }
             }
             if sw.write_all(chunk).await.is_err() {
