@@ -243,9 +243,20 @@ async fn steps_claimed_ahead_wait_for_a_worker_and_go_back_unbegun_when_none_fre
     )
     .fetch_one(&pool)
     .await?;
+    // each call's times, for the failure's message
+    let calls: Vec<String> = sqlx::query_scalar(
+        "SELECT format('began %s, answer seen %s, receipt %s', a.invocation_began_at,
+                       a.response_observed_at, r.committed_at)
+         FROM attempts a LEFT JOIN step_receipts r ON r.attempt_id = a.id
+         WHERE a.invocation_began_at IS NOT NULL ORDER BY a.invocation_began_at",
+    )
+    .fetch_all(&pool)
+    .await?;
     assert_eq!(
-        most_calls, 2,
-        "calls in flight at once: never more than the workers"
+        most_calls,
+        2,
+        "calls in flight at once: never more than the workers; calls:\n{}",
+        calls.join("\n")
     );
     let given_back: i64 = sqlx::query_scalar(
         "SELECT count(*) FROM attempts

@@ -177,6 +177,8 @@ async fn attempt(
     }
     .instrument(call)
     .await;
+    // when the answer came, on PostgreSQL's clock as this worker reckons it
+    let seen = step.db_now + chrono::TimeDelta::from_std(claimed_at.elapsed()).unwrap_or_default();
     renewal.abort();
 
     #[cfg(feature = "faults")]
@@ -211,6 +213,7 @@ async fn attempt(
         outcome,
         external_reference: reference.and_then(|r| ExternalReference::parse(r).ok()),
         result,
+        seen: Some(seen),
     };
     match response.outcome.clone() {
         Some(invoke_response::Outcome::Succeeded(s)) => {

@@ -315,6 +315,8 @@ fn observed(
             .transpose()
             .map_err(invalid)?,
         result,
+        // committed as soon as it is read: PostgreSQL's now() is when it was seen
+        seen: None,
     })
 }
 

@@ -144,6 +144,13 @@ pub struct Observed {
     pub outcome: Outcome,
     pub external_reference: Option<ExternalReference>,
     pub result: Value,
+    /// When the answer was seen, on PostgreSQL's clock as the observer reckons it (a worker:
+    /// its claim's `db_now` plus what its monotonic clock measured since), for the attempt's
+    /// `response_observed_at`: a worker goes on to its next call while its receipt waits for
+    /// a statement, so the statement's time is not when the answer came. It is kept between
+    /// the invocation's beginning and the statement's time; `None`: the statement's time.
+    #[serde(skip)]
+    pub seen: Option<DateTime<Utc>>,
 }
 
 /// The lease after a granted renewal.
@@ -718,7 +725,9 @@ pub(crate) async fn finish_step(
          ), a AS (
              UPDATE attempts
              SET checkpoint = 'receipt_committed', state = $11::text::attempt_state,
-                 response_observed_at = now(), observed_result = $12, adapter_version = $8,
+                 response_observed_at = greatest(invocation_began_at,
+                                                 least(now(), coalesce($25, now()))),
+                 observed_result = $12, adapter_version = $8,
                  updated_at = now()
              WHERE $19 AND id = $4
          ), s AS (
@@ -792,6 +801,7 @@ pub(crate) async fn finish_step(
     .bind(checkpoint_detail(held, Checkpoint::ReceiptCommitted))
     .bind(MessageKind::WorkflowChanged.as_str())
     .bind(json!({ "state": WorkflowState::Completed.as_str() }))
+    .bind(observed.seen)
     .fetch_one(&mut *conn)
     .await?;
     let has_dependents: bool = row.try_get("has_dependents")?;

@@ -73,10 +73,11 @@ impl Store {
             "WITH i AS (
                  SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::int8[], $4::text[],
                                       $5::uuid[], $6::text[], $7::text[], $8::text[],
-                                      $9::text[], $10::jsonb[])
+                                      $9::text[], $10::jsonb[], $16::timestamptz[])
                      WITH ORDINALITY AS i (receipt_id, step_id, lease_version, owner,
                                            attempt_id, input_digest, adapter_version,
-                                           request_identity, external_reference, result, ord)
+                                           request_identity, external_reference, result,
+                                           seen, ord)
              ), f AS (
                  -- each step row looked up by its key and locked, in step order, and matched
                  -- on its newest version; said of the join, the lease's state would lead the
@@ -85,7 +86,7 @@ impl Store {
                  SELECT s.id, s.workflow_id, s.adapter, s.checkpoint_version + 1 AS version,
                         i.receipt_id, i.lease_version, i.owner, i.attempt_id, i.input_digest,
                         i.adapter_version, i.request_identity, i.external_reference, i.result,
-                        i.ord
+                        i.seen, i.ord
                  FROM (SELECT * FROM i ORDER BY step_id) i
                  CROSS JOIN LATERAL (
                      SELECT s.* FROM steps s
@@ -113,7 +114,9 @@ impl Store {
              ), a AS (
                  UPDATE attempts a
                  SET checkpoint = 'receipt_committed', state = 'succeeded',
-                     response_observed_at = now(), observed_result = f.result,
+                     response_observed_at = greatest(a.invocation_began_at,
+                                                     least(now(), coalesce(f.seen, now()))),
+                     observed_result = f.result,
                      adapter_version = f.adapter_version, updated_at = now()
                  FROM f WHERE a.id = ANY ($5::uuid[]) AND a.id = f.attempt_id
              ), s AS (
@@ -183,6 +186,7 @@ impl Store {
         .bind(MessageKind::StepCompleted.as_str())
         .bind(MessageKind::WorkflowChanged.as_str())
         .bind(json!({ "state": WorkflowState::Completed.as_str() }))
+        .bind(rows.iter().map(|&i| batch[i].1.seen).collect::<Vec<_>>())
         .fetch_all(self.pool())
         .await?;
         for row in written {

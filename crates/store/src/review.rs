@@ -259,6 +259,7 @@ impl Store {
                     },
                     external_reference: external_reference.clone(),
                     result: json!({ "resolved_by": who, "reason": reason }),
+                    seen: None,
                 };
                 finish_step(
                     &mut tx,

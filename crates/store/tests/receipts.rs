@@ -117,6 +117,83 @@ async fn the_shared_statement_writes_what_the_receipts_own_transaction_writes(po
     assert_eq!(wa["events"][2]["names_receipt"], json!(true));
 }
 
+/// A worker goes on to its next call while its receipt waits for a statement: the attempt's
+/// `response_observed_at` is when the answer was seen, as the worker reckons it on
+/// PostgreSQL's clock, not when the receipt was written, in the shared statement and in the
+/// receipt's own transaction alike; kept between the invocation's beginning and the
+/// statement's time, and the statement's time when the observer gave none.
+#[sqlx::test(migrator = "MIGRATOR")]
+async fn the_attempt_records_when_its_answer_was_seen_not_when_its_receipt_was_written(
+    pool: PgPool,
+) {
+    use chrono::{DateTime, TimeDelta, Utc};
+    let store = batch_store(&pool).await;
+    for key in ["a", "b", "c", "d", "e", "f"] {
+        submit(&store, &workflow(key, vec![step("only", &[])])).await;
+    }
+    let claimed = claimed_and_begun(&store, 6).await;
+    let began = |c: &ClaimedStep| {
+        let pool = pool.clone();
+        let attempt = c.lease.attempt.as_uuid();
+        async move {
+            sqlx::query_scalar::<_, DateTime<Utc>>(
+                "SELECT invocation_began_at FROM attempts WHERE id = $1",
+            )
+            .bind(attempt)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+        }
+    };
+    let ms = TimeDelta::milliseconds;
+    // (the time the observer gives, what the attempt must record: None for the receipt's
+    // statement time), for the shared statement and the transaction in turn
+    let mut cases = Vec::new();
+    for (i, c) in claimed.iter().enumerate() {
+        let b = began(c).await;
+        let (seen, want) = match i % 3 {
+            0 => (Some(b + ms(1)), Some(b + ms(1))),
+            1 => (Some(b - ms(1000)), Some(b)),
+            _ => (None, None),
+        };
+        let observed = Observed {
+            seen,
+            ..success(c, &format!("dest-{i}"))
+        };
+        let receipt = if i < 3 {
+            store
+                .commit_receipts(&[(&c.lease, &observed)])
+                .await
+                .unwrap()[0]
+                .clone()
+                .expect("written in the shared statement")
+        } else {
+            match store
+                .commit_or_keep_late(&c.lease, &observed)
+                .await
+                .unwrap()
+            {
+                CommitOutcome::Committed(r) => r,
+                other => panic!("{other:?}"),
+            }
+        };
+        cases.push((c, want, receipt.committed_at));
+    }
+    for (c, want, committed_at) in cases {
+        let got: DateTime<Utc> =
+            sqlx::query_scalar("SELECT response_observed_at FROM attempts WHERE id = $1")
+                .bind(c.lease.attempt.as_uuid())
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+        assert_eq!(
+            got,
+            want.unwrap_or(committed_at),
+            "response observed for {want:?}"
+        );
+    }
+}
+
 #[sqlx::test(migrator = "MIGRATOR")]
 async fn many_receipts_share_one_statement_and_each_is_fenced_on_its_own(pool: PgPool) {
     let store = batch_store(&pool).await;

@@ -66,6 +66,7 @@ pub fn success(c: &ClaimedStep, reference: &str) -> Observed {
         outcome: Outcome::Succeeded,
         external_reference: Some(ExternalReference::parse(reference).unwrap()),
         result: json!({ "status": 201 }),
+        seen: None,
     }
 }
 
