@@ -110,11 +110,16 @@ impl Process {
 #[derive(Debug)]
 pub struct Cluster {
     pub db: TestDatabase,
+    /// The destination's own database on the machine's PostgreSQL: its records never roll
+    /// back with z29c's, and survive a crash of a scenario's own PostgreSQL.
+    pub destination_db: TestDatabase,
     pub prefix: String,
     pub scheduler_url: String,
     pub destination_url: String,
     /// `ReviewService` of the first recovery instance.
     pub review_url: String,
+    /// `ReviewService` of every recovery instance started, in order.
+    pub review_urls: Vec<String>,
     /// `/metrics` of the first recovery instance.
     pub recovery_metrics_url: String,
     /// `AdapterGateway` of each gateway started, in order.
@@ -267,13 +272,16 @@ impl Cluster {
         let scheme = if secure { "https" } else { "http" };
         // migrate once before anything starts
         db.store().await?;
+        let destination_db = TestDatabase::create().await?;
         let destination_port = free_port()?;
         let mut cluster = Self {
             db,
+            destination_db,
             prefix,
             scheduler_url: String::new(),
             destination_url: format!("http://127.0.0.1:{destination_port}"),
             review_url: String::new(),
+            review_urls: Vec::new(),
             recovery_metrics_url: String::new(),
             gateway_urls: Vec::new(),
             processes: Vec::new(),
@@ -291,7 +299,10 @@ impl Cluster {
         let dest = cluster.spawn(
             "destination",
             &["destination"],
-            &[("Z29C_LISTEN", format!("127.0.0.1:{destination_port}"))],
+            &[
+                ("Z29C_LISTEN", format!("127.0.0.1:{destination_port}")),
+                ("Z29C_DATABASE_URL", cluster.destination_db.url().to_owned()),
+            ],
         )?;
         cluster.processes.push(dest);
         cluster.wait_listening(destination_port).await?;
@@ -405,9 +416,15 @@ impl Cluster {
         self.add_gateway_with(permit_limit, &[]).await
     }
 
+    /// A pool on the destination's own database, to count what the outside world recorded.
+    pub async fn ledger_pool(&self) -> Result<sqlx::PgPool> {
+        self.destination_db.pool(2).await
+    }
+
     /// Starts one more gateway with extra environment. It serves the adapter `http` with the
-    /// topology's capability, and `http-idempotent`, `http-queryable` and `http-opaque`, all
-    /// on the destination, for runs that mix capabilities.
+    /// topology's capability, and `http-idempotent`, `http-queryable` and `http-opaque`, for
+    /// runs that mix capabilities; each adapter calls the destination's routes of its own
+    /// capability, which behave as it declares (an opaque route never de-duplicates).
     pub async fn add_gateway_with(
         &mut self,
         permit_limit: u32,
@@ -418,7 +435,7 @@ impl Cluster {
         let config = self.dir.join(format!("gateway-{}.toml", self.gateways));
         let adapter = |name: &str, capability: &str| {
             format!(
-                "[[adapters]]\nname = \"{name}\"\nversion = \"http/1\"\nbase_url = \"{}\"\n\
+                "[[adapters]]\nname = \"{name}\"\nversion = \"http/1\"\nbase_url = \"{}/{capability}\"\n\
                  capability = \"{capability}\"\ndefault_limit = {permit_limit}\nsafety_window_ms = 5000\n",
                 self.destination_url
             )
@@ -472,6 +489,8 @@ impl Cluster {
         )?;
         self.processes.push(p);
         self.wait_listening(port).await?;
+        self.review_urls
+            .push(format!("{}://127.0.0.1:{port}", self.scheme()));
         if self.review_url.is_empty() {
             self.review_url = format!("{}://127.0.0.1:{port}", self.scheme());
             self.recovery_metrics_url = format!("http://127.0.0.1:{metrics_port}/metrics");
@@ -623,6 +642,77 @@ impl Cluster {
         ))
     }
 
+    /// Resolves every open review item the way a person would: by looking in the destination
+    /// for the step's effect (the request whose body names the step). Found: "succeeded" with
+    /// its reference; none: "failed". Returns how many items were resolved. Only once the
+    /// faults have healed: a request still on its way would make "none" a wrong answer.
+    pub async fn resolve_reviews_from_ledger(&self) -> Result<usize> {
+        use pb::resolve_request::Resolution;
+        let token = match &self.security {
+            Some(_) => Some(self.token("test-operator", z29c_core::Role::ALL)?),
+            None => None,
+        };
+        // any recovery instance that answers: a scenario may have killed the first
+        let mut answered = None;
+        for url in &self.review_urls {
+            let Ok(channel) = self.channel(url, &self.operator_tls()).await else {
+                continue;
+            };
+            let mut reviews =
+                ReviewServiceClient::with_interceptor(channel, Bearer::new(token.as_deref())?);
+            if let Ok(list) = reviews.list(pb::ListReviewsRequest::default()).await {
+                answered = Some((reviews, list.into_inner().items));
+                break;
+            }
+        }
+        let (mut reviews, items) = answered.context("no recovery instance answers")?;
+        let pool = self.db.pool(1).await?;
+        let ledger = self.ledger_pool().await?;
+        let mut resolved = 0;
+        for item in items.iter().filter(|i| i.state == "open") {
+            let step: Option<(String, String)> = sqlx::query_as(
+                "SELECT w.client_key, s.name FROM steps s JOIN workflows w ON w.id = s.workflow_id
+                 WHERE s.id = $1::uuid",
+            )
+            .bind(&item.step_id)
+            .fetch_optional(&pool)
+            .await?;
+            let Some((client_key, name)) = step else {
+                continue;
+            };
+            let found: Option<String> = sqlx::query_scalar(
+                "SELECT reference FROM destination.ledger WHERE body->>'step' = $1
+                 ORDER BY request_id LIMIT 1",
+            )
+            .bind(crate::history::step_token(&client_key, &name))
+            .fetch_optional(&ledger)
+            .await?;
+            let (resolution, reason) = match found {
+                Some(reference) => (
+                    Resolution::SucceededExternalReference(reference),
+                    "found the effect in the destination",
+                ),
+                None => (
+                    Resolution::Failed(true),
+                    "the destination has no such effect",
+                ),
+            };
+            let mut req = tonic::Request::new(pb::ResolveRequest {
+                item_id: item.id.clone(),
+                expected_version: item.version,
+                reason: reason.into(),
+                resolution: Some(resolution),
+            });
+            req.metadata_mut()
+                .insert("x-z29c-operator", "harness".parse()?);
+            reviews.resolve(req).await?;
+            resolved += 1;
+        }
+        pool.close().await;
+        ledger.close().await;
+        Ok(resolved)
+    }
+
     /// Switches faults on a destination route.
     pub async fn set_faults(&self, route: &str, faults: serde_json::Value) -> Result<()> {
         let r = reqwest::Client::new()
@@ -728,6 +818,7 @@ impl Cluster {
     pub async fn stop(self) -> Result<()> {
         let Cluster {
             db,
+            destination_db,
             prefix,
             mut processes,
             dir,
@@ -742,7 +833,8 @@ impl Cluster {
             let _ = bus.delete_stream().await;
         }
         let _ = std::fs::remove_dir_all(&dir);
-        db.drop_now().await
+        let dropped = destination_db.drop_now().await;
+        db.drop_now().await.and(dropped)
     }
 }
 
@@ -792,7 +884,9 @@ pub fn flaky_workflow(key: &str) -> pb::SubmitRequest {
     req
 }
 
-/// A workflow of `steps` chained steps on `route`.
+/// A workflow of `steps` chained steps on `route`. Each step's input names it
+/// ([`crate::history::step_token`]), so the destination's records say which step a request
+/// was for.
 pub fn chain(key: &str, route: &str, steps: usize) -> pb::SubmitRequest {
     pb::SubmitRequest {
         client_key: key.to_owned(),
@@ -802,7 +896,11 @@ pub fn chain(key: &str, route: &str, steps: usize) -> pb::SubmitRequest {
                 name: format!("s{i}"),
                 adapter: "http".into(),
                 operation: route.into(),
-                input_json: format!("{{\"n\":{i}}}"),
+                input_json: serde_json::json!({
+                    "n": i,
+                    "step": crate::history::step_token(key, &format!("s{i}")),
+                })
+                .to_string(),
                 depends_on: if i == 0 {
                     vec![]
                 } else {

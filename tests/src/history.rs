@@ -1,11 +1,14 @@
-//! The recorded history of a run and the checker of DESIGN.md §1's invariants.
+//! The recorded history of a run and the checker of z29c's invariants.
 //!
-//! z29c's append-only tables already are a history: every claim, renewal, checkpoint, expiry
+//! Two records make a history. The outside world's: the destination's own database, which
+//! never rolls back with z29c's, holds every request it received and every effect it
+//! committed. z29c's: its append-only tables, where every claim, renewal, checkpoint, expiry
 //! and decision is a `step_events` row with PostgreSQL's clock, and attempts, receipts, late
-//! observations, recovery decisions and permits are kept. [`History::load`] reads them, with
-//! the destination's ledger (what really happened outside), once the faults have healed;
-//! [`History::check`] then judges the run on the history alone, never on what the harness
-//! believes it did. [`History::save`] writes it as JSON beside the run's logs.
+//! observations, recovery decisions and permits are kept. [`History::load`] reads both once
+//! the faults have healed; [`History::check`] then judges the run on them alone, never on what
+//! the harness believes it did. The money questions are asked of the outside world's record:
+//! how many effects each step had, and how many requests reached an opaque route.
+//! [`History::save`] writes it as JSON beside the run's logs.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;
@@ -18,17 +21,19 @@ use sqlx::PgPool;
 use uuid::Uuid;
 use z29c_core::AdapterCapability;
 
-/// One invariant of the fault matrix (DESIGN.md §1, issue 5).
+/// One invariant of the fault matrix (docs/design.md, Invariants).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
 pub enum Invariant {
-    /// No duplicate external effect for idempotent adapters, and every receipt names an effect
-    /// the destination recorded under the same request identity.
+    /// Effects, counted in the destination's ledger per step, are what the step's end says: a
+    /// completed step has exactly one and its receipt names it; a failed, cancelled or never
+    /// started step has none; a manual "succeeded REF" names an effect the ledger has.
     A,
     /// No receipt committed under a stale lease (superseded or expired).
     B,
     /// No step lost: each ended completed, failed by policy, or in review.
     C,
-    /// An unknown outcome at an opaque adapter goes to review, never retried automatically.
+    /// An opaque request reaches the destination at most once; an unknown outcome at an
+    /// opaque adapter goes to review, never retried automatically.
     D,
     /// A stale worker's late result is only evidence.
     E,
@@ -89,6 +94,10 @@ pub struct Expect {
 pub struct StepRow {
     pub id: Uuid,
     pub workflow_id: Uuid,
+    /// The workflow's client key and the step's name: with them, a request's body names its
+    /// step (see [`step_token`]).
+    pub client_key: String,
+    pub name: String,
     pub adapter: String,
     pub state: String,
     pub workflow_state: String,
@@ -149,10 +158,27 @@ pub struct DecisionRow {
     pub decided_at: DateTime<Utc>,
 }
 
+/// One effect the destination committed.
 #[derive(Debug, Clone, Serialize, Deserialize, sqlx::FromRow)]
 pub struct LedgerRow {
     pub reference: String,
     pub idempotency_key: Option<String>,
+    pub route: String,
+    pub request_id: i64,
+}
+
+/// One request the destination received, effect or not.
+#[derive(Debug, Clone, Serialize, Deserialize, sqlx::FromRow)]
+pub struct RequestRow {
+    pub id: i64,
+    pub received_at: DateTime<Utc>,
+    pub mode: String,
+    pub route: String,
+    pub idempotency_key: Option<String>,
+    pub body: serde_json::Value,
+    /// Refused before anything was done (`rate_limited`, `server_error`), as only the
+    /// destination knows.
+    pub refused: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, sqlx::FromRow)]
@@ -176,7 +202,24 @@ pub struct History {
     pub open_reviews: Vec<Uuid>,
     pub integrity_conflicts: Vec<Uuid>,
     pub ledger: Vec<LedgerRow>,
+    pub requests: Vec<RequestRow>,
     pub permits: Vec<PermitRow>,
+}
+
+/// What the destination recorded for one step.
+#[derive(Debug, Default)]
+struct Seen<'a> {
+    /// Every request it received for the step, effect or not.
+    requests: Vec<&'a RequestRow>,
+    /// The references of the effects it committed for the step.
+    effects: Vec<&'a str>,
+}
+
+/// What a scenario workflow's step puts in its input so that the outside world's record names
+/// it: `{"step": "<client key>/<step name>"}`. A step's identity at the destination must not
+/// depend on z29c's request identities, which a broken build may get wrong.
+pub fn step_token(client_key: &str, step: &str) -> String {
+    format!("{client_key}/{step}")
 }
 
 /// Counts a reader of the matrix wants beside the verdict.
@@ -189,6 +232,7 @@ pub struct Tally {
     pub recoveries: usize,
     pub late_observations: usize,
     pub effects: usize,
+    pub requests: usize,
 }
 
 /// A lease may be judged expired at most this much late: a renewal that committed while the
@@ -196,11 +240,13 @@ pub struct Tally {
 const CLOCK_SLACK_MS: i64 = 250;
 
 impl History {
-    pub async fn load(pool: &PgPool) -> Result<Self> {
+    /// Reads z29c's tables from `pool` and the destination's records from `ledger`.
+    pub async fn load(pool: &PgPool, ledger: &PgPool) -> Result<Self> {
         Ok(Self {
             steps: sqlx::query_as(
-                "SELECT s.id, s.workflow_id, s.adapter, s.state::text AS state,
-                        w.state::text AS workflow_state, s.request_identity, s.max_attempts
+                "SELECT s.id, s.workflow_id, w.client_key, s.name, s.adapter,
+                        s.state::text AS state, w.state::text AS workflow_state,
+                        s.request_identity, s.max_attempts
                  FROM steps s JOIN workflows w ON w.id = s.workflow_id ORDER BY s.id",
             )
             .fetch_all(pool)
@@ -251,10 +297,18 @@ impl History {
             integrity_conflicts: sqlx::query_scalar("SELECT step_id FROM integrity_conflicts")
                 .fetch_all(pool)
                 .await?,
-            ledger: sqlx::query_as("SELECT reference, idempotency_key FROM destination.ledger")
-                .fetch_all(pool)
-                .await
-                .unwrap_or_default(),
+            ledger: sqlx::query_as(
+                "SELECT reference, idempotency_key, route, request_id FROM destination.ledger
+                 ORDER BY request_id",
+            )
+            .fetch_all(ledger)
+            .await?,
+            requests: sqlx::query_as(
+                "SELECT id, received_at, mode, route, idempotency_key, body, refused
+                 FROM destination.requests ORDER BY id",
+            )
+            .fetch_all(ledger)
+            .await?,
             permits: sqlx::query_as(
                 "SELECT adapter, operation_class, acquired_at,
                         least(coalesce(released_at, expires_at), expires_at) AS until
@@ -290,7 +344,55 @@ impl History {
                 .count(),
             late_observations: self.late_observations.len(),
             effects: self.ledger.len(),
+            requests: self.requests.len(),
         }
+    }
+
+    /// The step a request was for: the one its body names, else the one whose request identity
+    /// (the step's, or any of its attempts') it carried as its key.
+    fn step_of(&self, request: &RequestRow) -> Option<Uuid> {
+        if let Some(token) = request.body.get("step").and_then(serde_json::Value::as_str) {
+            return self
+                .steps
+                .iter()
+                .find(|s| step_token(&s.client_key, &s.name) == token)
+                .map(|s| s.id);
+        }
+        let key = request.idempotency_key.as_deref()?;
+        self.steps
+            .iter()
+            .find(|s| s.request_identity.as_deref() == Some(key))
+            .map(|s| s.id)
+            .or_else(|| {
+                self.attempts
+                    .iter()
+                    .find(|a| a.request_identity.as_deref() == Some(key))
+                    .map(|a| a.step_id)
+            })
+    }
+
+    /// Per step, what the destination recorded for it; and the effects no step asked for.
+    fn outside_world(&self) -> (HashMap<Uuid, Seen<'_>>, Vec<&LedgerRow>) {
+        let mut per_step: HashMap<Uuid, Seen<'_>> = HashMap::new();
+        let mut of_request: HashMap<i64, Uuid> = HashMap::new();
+        for r in &self.requests {
+            if let Some(step) = self.step_of(r) {
+                of_request.insert(r.id, step);
+                per_step.entry(step).or_default().requests.push(r);
+            }
+        }
+        let mut orphans = Vec::new();
+        for l in &self.ledger {
+            match of_request.get(&l.request_id) {
+                Some(step) => per_step
+                    .entry(*step)
+                    .or_default()
+                    .effects
+                    .push(l.reference.as_str()),
+                None => orphans.push(l),
+            }
+        }
+        (per_step, orphans)
     }
 
     /// Every violation of the invariants in this history; empty when the run is correct.
@@ -303,48 +405,82 @@ impl History {
             self.receipts.iter().map(|r| (r.step_id, r)).collect();
         let open_reviews: BTreeSet<Uuid> = self.open_reviews.iter().copied().collect();
 
-        // A: one effect per request identity; receipts name real effects
-        let mut effects: BTreeMap<&str, usize> = BTreeMap::new();
-        for l in &self.ledger {
-            if let Some(k) = &l.idempotency_key {
-                *effects.entry(k.as_str()).or_default() += 1;
+        // A: effects counted where the outside world records them, per step
+        let (world, orphans) = self.outside_world();
+        let none = Seen::default();
+        for l in orphans {
+            v(
+                Invariant::A,
+                format!(
+                    "effect {} on route {} (key {:?}) belongs to no step",
+                    l.reference, l.route, l.idempotency_key
+                ),
+            );
+        }
+        let all_references: BTreeSet<&str> =
+            self.ledger.iter().map(|l| l.reference.as_str()).collect();
+        for s in &self.steps {
+            let effects = &world.get(&s.id).unwrap_or(&none).effects;
+            let receipt = receipts.get(&s.id);
+            match s.state.as_str() {
+                "completed" => {
+                    let Some(r) = receipt else { continue };
+                    let reference = r.external_reference.as_deref().unwrap_or("");
+                    if r.verification == "manual" {
+                        // a person said so, having looked: the ledger must have what they named
+                        if !all_references.contains(reference) {
+                            v(
+                                Invariant::A,
+                                format!(
+                                    "step {}: resolved by hand as succeeded with {reference:?}, which the destination never recorded",
+                                    s.id
+                                ),
+                            );
+                        }
+                    } else if effects.len() != 1 || !effects.contains(&reference) {
+                        v(
+                            Invariant::A,
+                            format!(
+                                "step {} completed with receipt {reference:?}; the destination recorded {} effect(s) for it: {effects:?}",
+                                s.id,
+                                effects.len()
+                            ),
+                        );
+                    }
+                }
+                // a step that ended without a receipt of success must have left no effect
+                "failed" | "cancelled" | "pending" | "ready" | "blocked"
+                    if !effects.is_empty() && !open_reviews.contains(&s.id) =>
+                {
+                    v(
+                        Invariant::A,
+                        format!(
+                            "step {} is {} (workflow {}) but the destination recorded {} effect(s) for it: {effects:?}",
+                            s.id,
+                            s.state,
+                            s.workflow_state,
+                            effects.len()
+                        ),
+                    );
+                }
+                _ => {}
             }
         }
-        for (key, n) in &effects {
-            if *n > 1 {
-                v(
-                    Invariant::A,
-                    format!("request identity {key} has {n} external effects"),
-                );
-            }
-        }
-        let ledger: BTreeSet<(&str, &str)> = self
-            .ledger
-            .iter()
-            .filter_map(|l| Some((l.reference.as_str(), l.idempotency_key.as_deref()?)))
-            .collect();
-        let mut references: BTreeMap<&str, usize> = BTreeMap::new();
         for r in &self.receipts {
             if r.outcome != "succeeded" || r.verification == "manual" {
                 continue;
             }
-            let reference = r.external_reference.as_deref().unwrap_or("");
-            *references.entry(reference).or_default() += 1;
-            if !ledger.contains(&(reference, r.request_identity.as_str())) {
+            if steps
+                .get(&r.step_id)
+                .is_some_and(|s| s.state != "completed")
+            {
                 v(
                     Invariant::A,
                     format!(
-                        "step {}: receipt names {reference:?}, which the destination has not recorded for {}",
-                        r.step_id, r.request_identity
+                        "step {}: a receipt of success, but the step is {}",
+                        r.step_id,
+                        steps.get(&r.step_id).map_or("", |s| s.state.as_str())
                     ),
-                );
-            }
-        }
-        for (reference, n) in references {
-            if n > 1 {
-                v(
-                    Invariant::A,
-                    format!("{n} receipts name the same external reference {reference}"),
                 );
             }
         }
@@ -460,10 +596,38 @@ impl History {
             }
         }
 
-        // D: opaque adapters are never sent the request twice by the machine
+        // D: opaque requests reach the destination at most once, and what an opaque adapter
+        // left unknown goes to review
         for s in &self.steps {
             if capability(&s.adapter) != Some(AdapterCapability::Opaque) {
                 continue;
+            }
+            // a 429 is a definite "not performed" that only the destination can give: sending
+            // again after it is no repetition
+            let received: Vec<&RequestRow> = world
+                .get(&s.id)
+                .map(|seen| {
+                    seen.requests
+                        .iter()
+                        .copied()
+                        .filter(|r| r.refused.as_deref() != Some("rate_limited"))
+                        .collect()
+                })
+                .unwrap_or_default();
+            if received.len() > 1 {
+                v(
+                    Invariant::D,
+                    format!(
+                        "opaque step {}: the destination received its request {} times (at {})",
+                        s.id,
+                        received.len(),
+                        received
+                            .iter()
+                            .map(|r| r.received_at.format("%H:%M:%S%.3f").to_string())
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    ),
+                );
             }
             // an attempt released after invocation began got a definite "not performed"
             // (429, connection refused, no permit): sending again is no repetition
@@ -577,5 +741,261 @@ impl History {
             );
         }
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The checker over synthetic histories: each bad history must be caught by the invariant
+    //! that names its fault, and the good one by none.
+
+    use super::*;
+
+    const OPAQUE: &str = "http-opaque";
+    const IDEMPOTENT: &str = "http-idempotent";
+
+    fn expect() -> Expect {
+        Expect {
+            capabilities: AdapterCapability::ALL
+                .iter()
+                .map(|c| (format!("http-{c}"), *c))
+                .collect(),
+            permit_limit: 8,
+            min_completed: 0,
+        }
+    }
+
+    fn at(ms: i64) -> DateTime<Utc> {
+        DateTime::from_timestamp_millis(1_800_000_000_000 + ms).unwrap()
+    }
+
+    fn id(n: u128) -> Uuid {
+        Uuid::from_u128(n)
+    }
+
+    /// One step of workflow `wf-<n>`, in `state`, with its identity `key-<n>`.
+    fn step(n: u128, adapter: &str, state: &str, workflow_state: &str) -> StepRow {
+        StepRow {
+            id: id(n),
+            workflow_id: id(1000 + n),
+            client_key: format!("wf-{n}"),
+            name: "s0".into(),
+            adapter: adapter.into(),
+            state: state.into(),
+            workflow_state: workflow_state.into(),
+            request_identity: Some(format!("key-{n}")),
+            max_attempts: 4,
+        }
+    }
+
+    /// A request for step `n` received at `ms`, with its effect `reference` if it had one.
+    fn request(h: &mut History, n: u128, ms: i64, reference: Option<&str>) {
+        let rid = h.requests.len() as i64 + 1;
+        h.requests.push(RequestRow {
+            id: rid,
+            received_at: at(ms),
+            mode: "idempotent".into(),
+            route: "target".into(),
+            idempotency_key: Some(format!("key-{n}")),
+            body: serde_json::json!({ "n": 0, "step": step_token(&format!("wf-{n}"), "s0") }),
+            refused: None,
+        });
+        if let Some(reference) = reference {
+            h.ledger.push(LedgerRow {
+                reference: reference.into(),
+                idempotency_key: Some(format!("key-{n}")),
+                route: "target".into(),
+                request_id: rid,
+            });
+        }
+    }
+
+    fn granted(h: &mut History, n: u128, version: i64, ms: i64) {
+        h.events.push(EventRow {
+            step_id: id(n),
+            lease_version: version,
+            owner: Some("executor-1".into()),
+            kind: "lease_acquired".into(),
+            expires_at: Some(at(ms + 1_500)),
+            at: at(ms),
+        });
+    }
+
+    fn attempt(h: &mut History, n: u128, number: u128, state: &str, invoked: bool) {
+        h.attempts.push(AttemptRow {
+            id: id(100 * n + number),
+            step_id: id(n),
+            lease_version: number as i64,
+            owner: "executor-1".into(),
+            state: state.into(),
+            checkpoint: if invoked {
+                "invocation_began".into()
+            } else {
+                "request_identity_persisted".into()
+            },
+            request_identity: Some(format!("key-{n}")),
+            created_at: at(0),
+            invocation_began_at: invoked.then(|| at(10)),
+        });
+    }
+
+    fn receipt(h: &mut History, n: u128, reference: &str, verification: &str) {
+        h.receipts.push(ReceiptRow {
+            step_id: id(n),
+            attempt_id: Some(id(100 * n + 1)),
+            lease_version: 1,
+            request_identity: format!("key-{n}"),
+            external_reference: Some(reference.into()),
+            outcome: "succeeded".into(),
+            verification: verification.into(),
+            committed_at: at(100),
+        });
+    }
+
+    /// Step 1 completed with one effect that its receipt names.
+    fn good() -> History {
+        let mut h = History::default();
+        h.steps.push(step(1, IDEMPOTENT, "completed", "completed"));
+        granted(&mut h, 1, 1, 0);
+        attempt(&mut h, 1, 1, "succeeded", true);
+        request(&mut h, 1, 20, Some("dst-1"));
+        receipt(&mut h, 1, "dst-1", "direct");
+        h
+    }
+
+    fn broken(h: &History) -> BTreeSet<Invariant> {
+        h.check(&expect())
+            .into_iter()
+            .map(|v| v.invariant)
+            .collect()
+    }
+
+    #[test]
+    fn a_run_whose_ledger_matches_its_end_passes() {
+        assert_eq!(
+            good().check(&expect()).len(),
+            0,
+            "{:?}",
+            good().check(&expect())
+        );
+    }
+
+    #[test]
+    fn a_duplicate_effect_for_one_step_is_caught_whatever_its_keys() {
+        let mut h = good();
+        // a retry under a new request identity: the destination cannot de-duplicate it
+        request(&mut h, 1, 500, Some("dst-2"));
+        h.requests[1].idempotency_key = Some("another-key".into());
+        h.ledger[1].idempotency_key = Some("another-key".into());
+        assert!(
+            broken(&h).contains(&Invariant::A),
+            "{:?}",
+            h.check(&expect())
+        );
+    }
+
+    #[test]
+    fn a_receipt_naming_an_effect_the_ledger_lacks_is_caught() {
+        let mut h = good();
+        h.receipts[0].external_reference = Some("made-up".into());
+        assert!(broken(&h).contains(&Invariant::A));
+    }
+
+    #[test]
+    fn a_failed_step_with_an_effect_is_caught() {
+        let mut h = History::default();
+        h.steps.push(step(2, IDEMPOTENT, "failed", "failed"));
+        h.decisions.push(DecisionRow {
+            step_id: id(2),
+            decision: "fail".into(),
+            category: "identity_not_invoked".into(),
+            owner: "recovery-1".into(),
+            decided_at: at(3_000),
+        });
+        attempt(&mut h, 2, 1, "expired", true);
+        attempt(&mut h, 2, 2, "expired", false);
+        request(&mut h, 2, 20, Some("dst-9"));
+        assert!(
+            broken(&h).contains(&Invariant::A),
+            "{:?}",
+            h.check(&expect())
+        );
+    }
+
+    #[test]
+    fn a_cancelled_step_with_an_effect_is_caught_but_one_in_review_is_not() {
+        let mut h = History::default();
+        h.steps.push(step(3, IDEMPOTENT, "cancelled", "cancelled"));
+        attempt(&mut h, 3, 1, "expired", true);
+        request(&mut h, 3, 20, Some("dst-3"));
+        assert!(broken(&h).contains(&Invariant::A));
+        h.steps[0].state = "needs_review".into();
+        h.open_reviews.push(id(3));
+        assert!(
+            !broken(&h).contains(&Invariant::A),
+            "{:?}",
+            h.check(&expect())
+        );
+    }
+
+    #[test]
+    fn an_opaque_request_received_twice_is_caught_even_in_review() {
+        let mut h = History::default();
+        h.steps.push(step(4, OPAQUE, "needs_review", "running"));
+        h.open_reviews.push(id(4));
+        attempt(&mut h, 4, 1, "expired", true);
+        request(&mut h, 4, 20, None);
+        assert!(broken(&h).is_empty(), "{:?}", h.check(&expect()));
+        // the second request failed at the destination: it reached it all the same
+        request(&mut h, 4, 900, None);
+        h.requests[1].refused = Some("server_error".into());
+        assert!(broken(&h).contains(&Invariant::D));
+        // a 429 is a definite "not performed": sending again after it is allowed
+        h.requests[1].refused = Some("rate_limited".into());
+        assert!(
+            !broken(&h).contains(&Invariant::D),
+            "{:?}",
+            h.check(&expect())
+        );
+    }
+
+    #[test]
+    fn a_manual_success_must_name_an_effect_the_ledger_has() {
+        let mut h = History::default();
+        h.steps.push(step(5, OPAQUE, "completed", "completed"));
+        attempt(&mut h, 5, 1, "expired", true);
+        request(&mut h, 5, 20, Some("dst-5"));
+        receipt(&mut h, 5, "dst-5", "manual");
+        assert!(broken(&h).is_empty(), "{:?}", h.check(&expect()));
+        h.receipts[0].external_reference = Some("what-the-person-guessed".into());
+        assert!(broken(&h).contains(&Invariant::A));
+    }
+
+    #[test]
+    fn an_effect_no_step_asked_for_is_caught() {
+        let mut h = good();
+        h.requests.push(RequestRow {
+            id: 99,
+            received_at: at(5),
+            mode: "opaque".into(),
+            route: "target".into(),
+            idempotency_key: Some("nobody".into()),
+            body: serde_json::json!({}),
+            refused: None,
+        });
+        h.ledger.push(LedgerRow {
+            reference: "dst-99".into(),
+            idempotency_key: Some("nobody".into()),
+            route: "target".into(),
+            request_id: 99,
+        });
+        assert!(broken(&h).contains(&Invariant::A));
+    }
+
+    #[test]
+    fn a_completed_step_with_no_effect_is_caught() {
+        let mut h = good();
+        h.ledger.clear();
+        assert!(broken(&h).contains(&Invariant::A));
     }
 }

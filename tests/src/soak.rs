@@ -93,10 +93,16 @@ pub struct SoakReport {
     pub seed: u64,
     pub duration_s: u64,
     pub workflows: usize,
+    /// Submissions the scheduler did not accept: none may fail, the scheduler is never a
+    /// fault's target here.
+    pub submit_errors: Vec<String>,
+    /// Faults that landed (a kill of a process already down does not count).
     pub faults: usize,
     pub kills: usize,
     pub pauses: usize,
     pub destination_faults: usize,
+    /// Review items resolved at the end the way a person would, from the destination's records.
+    pub resolved_by_a_person: usize,
     pub tally: Tally,
     pub violations: Vec<Violation>,
 }
@@ -159,6 +165,8 @@ async fn soak_on(
     let mut rng = StdRng::seed_from_u64(seed ^ 0x5eed);
     let mut pending: Vec<(Instant, Heal)> = Vec::new();
     let mut last_report = Instant::now();
+    let mut submit_errors = Vec::new();
+    let mut landed: Vec<&Action> = Vec::new();
     while started.elapsed() < duration {
         // the load: a few workflows every 200 ms over the three capabilities and routes
         for _ in 0..rng.random_range(0..3) {
@@ -172,15 +180,19 @@ async fn soak_on(
                 s.adapter = format!("http-{}", AdapterCapability::ALL[n % 3]);
                 s.policy = Some(policy());
             }
-            if let Ok(r) = client.submit(req).await {
-                ids.push(r.into_inner().workflow.context("no workflow")?.id);
+            match client.submit(req).await {
+                Ok(r) => ids.push(r.into_inner().workflow.context("no workflow")?.id),
+                Err(status) => submit_errors.push(format!("soak-{n}: {status}")),
             }
         }
         let now = started.elapsed().as_millis() as u64;
         while next < plan.len() && plan[next].at_ms <= now {
             let heal = apply(&mut cluster, &plan[next].action).await;
             match heal {
-                Ok(Some((after, h))) => pending.push((Instant::now() + after, h)),
+                Ok(Some((after, h))) => {
+                    landed.push(&plan[next].action);
+                    pending.push((Instant::now() + after, h));
+                }
                 Ok(None) => {}
                 Err(e) => progress(format!("fault {next} not applied: {e:#}")),
             }
@@ -205,10 +217,10 @@ async fn soak_on(
                     .await
                     .unwrap_or(-1);
             progress(format!(
-                "seed {seed}: {:>4}s, {} workflows submitted, {} faults injected, {done} steps completed",
+                "seed {seed}: {:>4}s, {} workflows submitted, {} faults landed, {done} steps completed",
                 started.elapsed().as_secs(),
                 ids.len(),
-                next
+                landed.len()
             ));
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
@@ -239,7 +251,19 @@ async fn soak_on(
     cluster
         .wait_all_ended(&ids, Duration::from_secs(300))
         .await?;
-    let history = History::load(&pool).await?;
+    // a person looks in the destination for what is in review, and the workflows go on
+    let mut resolved_by_a_person = 0;
+    for _ in 0..3 {
+        let n = cluster.resolve_reviews_from_ledger().await?;
+        if n == 0 {
+            break;
+        }
+        resolved_by_a_person += n;
+        cluster
+            .wait_all_ended(&ids, Duration::from_secs(120))
+            .await?;
+    }
+    let history = History::load(&pool, &cluster.ledger_pool().await?).await?;
     let total = history.steps.len();
     let expect = Expect {
         capabilities: AdapterCapability::ALL
@@ -261,12 +285,14 @@ async fn soak_on(
         }
         progress(format!("history and logs kept in {}", keep.display()));
     }
-    let count = |f: fn(&Action) -> bool| plan[..next].iter().filter(|s| f(&s.action)).count();
+    let count = |f: fn(&Action) -> bool| landed.iter().filter(|a| f(a)).count();
     let report = SoakReport {
         seed,
         duration_s: duration.as_secs(),
         workflows: ids.len(),
-        faults: next,
+        submit_errors,
+        resolved_by_a_person,
+        faults: landed.len(),
         kills: count(|a| matches!(a, Action::Kill { .. })),
         pauses: count(|a| matches!(a, Action::Pause { .. })),
         destination_faults: count(|a| matches!(a, Action::Destination { .. })),
@@ -331,16 +357,19 @@ async fn heal(cluster: &mut Cluster, h: Heal) -> Result<()> {
 impl SoakReport {
     pub fn summary(&self) -> String {
         format!(
-            "seed {} · {} s · {} workflows ({} steps): {} completed, {} failed, {} in review · \
-             {} faults ({} kills, {} pauses, {} destination faults) · {} recoveries, {} late \
+            "seed {} · {} s · {} workflows ({} steps, {} submissions refused): {} completed, \
+             {} failed, {} in review ({} resolved from the destination's records) · \
+             {} faults landed ({} kills, {} pauses, {} destination faults) · {} recoveries, {} late \
              observations, {} external effects · violations: {}",
             self.seed,
             self.duration_s,
             self.workflows,
             self.tally.steps,
+            self.submit_errors.len(),
             self.tally.completed,
             self.tally.failed,
             self.tally.in_review,
+            self.resolved_by_a_person,
             self.faults,
             self.kills,
             self.pauses,

@@ -78,6 +78,7 @@ async fn the_console_shows_product_states_and_a_resolution_in_the_page_completes
     })
     .await?;
     let pool = cluster.db.pool(2).await?;
+    let ledger = cluster.ledger_pool().await?;
     let console = cluster
         .add_console(&[cluster.recovery_metrics_url.clone()])
         .await?;
@@ -217,7 +218,7 @@ async fn the_console_shows_product_states_and_a_resolution_in_the_page_completes
         "SELECT reference FROM destination.ledger WHERE idempotency_key LIKE '%' || $1 || '%'",
     )
     .bind(&review)
-    .fetch_one(&pool)
+    .fetch_one(&ledger)
     .await?;
     {
         let (review, reference, tab) = (review.clone(), reference.clone(), tab.clone());
@@ -271,5 +272,6 @@ async fn the_console_shows_product_states_and_a_resolution_in_the_page_completes
         .await?;
     assert_eq!(resolutions, 1, "the resolution is audited once");
     pool.close().await;
+    ledger.close().await;
     cluster.stop().await
 }

@@ -58,6 +58,7 @@ async fn decisions_taken_once(pool: &PgPool) -> Result<()> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unknown_outcome_at_an_idempotent_adapter_is_retried_with_the_same_key() -> Result<()> {
     let (cluster, pool, id) = start("idempotent").await?;
+    let ledger = cluster.ledger_pool().await?;
     wait_for(
         &pool,
         "SELECT count(*) FROM recovery_decisions WHERE decision = 'retry_same_identity'",
@@ -75,16 +76,16 @@ async fn an_unknown_outcome_at_an_idempotent_adapter_is_retried_with_the_same_ke
     .fetch_one(&pool)
     .await?;
     assert_eq!(verification, "direct");
-    let ledger: Vec<(String, Option<String>)> =
+    let effects: Vec<(String, Option<String>)> =
         sqlx::query_as("SELECT reference, idempotency_key FROM destination.ledger")
-            .fetch_all(&pool)
+            .fetch_all(&ledger)
             .await?;
     assert_eq!(
-        ledger.len(),
+        effects.len(),
         1,
-        "one effect, however many attempts: {ledger:?}"
+        "one effect, however many attempts: {effects:?}"
     );
-    assert_eq!(ledger[0], (reference, Some(identity.clone())));
+    assert_eq!(effects[0], (reference, Some(identity.clone())));
     let identities: Vec<String> = sqlx::query_scalar(
         "SELECT DISTINCT request_identity FROM attempts WHERE request_identity IS NOT NULL",
     )
@@ -103,12 +104,14 @@ async fn an_unknown_outcome_at_an_idempotent_adapter_is_retried_with_the_same_ke
     assert_eq!(category, "invoked_idempotent");
     decisions_taken_once(&pool).await?;
     pool.close().await;
+    ledger.close().await;
     cluster.stop().await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unknown_outcome_at_a_queryable_adapter_is_settled_by_a_status_query() -> Result<()> {
     let (cluster, pool, id) = start("queryable").await?;
+    let ledger = cluster.ledger_pool().await?;
     cluster
         .wait_all_ended(std::slice::from_ref(&id), Duration::from_secs(60))
         .await?;
@@ -117,11 +120,11 @@ async fn an_unknown_outcome_at_a_queryable_adapter_is_settled_by_a_status_query(
             .fetch_one(&pool)
             .await?;
     assert_eq!(verification, "status_query");
-    let ledger: Vec<String> = sqlx::query_scalar("SELECT reference FROM destination.ledger")
-        .fetch_all(&pool)
+    let effects: Vec<String> = sqlx::query_scalar("SELECT reference FROM destination.ledger")
+        .fetch_all(&ledger)
         .await?;
     assert_eq!(
-        ledger,
+        effects,
         [reference],
         "the effect the destination committed, found, not repeated"
     );
@@ -131,12 +134,14 @@ async fn an_unknown_outcome_at_a_queryable_adapter_is_settled_by_a_status_query(
     assert_eq!(attempts, 1, "nothing was sent twice");
     decisions_taken_once(&pool).await?;
     pool.close().await;
+    ledger.close().await;
     cluster.stop().await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unknown_outcome_at_an_opaque_adapter_waits_for_a_person() -> Result<()> {
     let (cluster, pool, id) = start("opaque").await?;
+    let ledger = cluster.ledger_pool().await?;
     cluster
         .wait_all_ended(std::slice::from_ref(&id), Duration::from_secs(60))
         .await?;
@@ -162,23 +167,28 @@ async fn an_unknown_outcome_at_an_opaque_adapter_waits_for_a_person() -> Result<
         .fetch_one(&pool)
         .await?;
     assert_eq!(receipts, 0, "unknown is not a receipt");
-    let ledger: i64 = sqlx::query_scalar("SELECT count(*) FROM destination.ledger")
-        .fetch_one(&pool)
+    let effects: i64 = sqlx::query_scalar("SELECT count(*) FROM destination.ledger")
+        .fetch_one(&ledger)
         .await?;
     assert_eq!(
-        ledger, 1,
+        effects, 1,
         "the destination did commit the effect nobody heard about"
     );
     decisions_taken_once(&pool).await?;
-    resolve_through_review_service(&cluster, &pool).await?;
+    resolve_through_review_service(&cluster, &pool, &ledger).await?;
     pool.close().await;
+    ledger.close().await;
     cluster.stop().await
 }
 
 /// A person looks at the destination, finds the effect, and says so: the workflow completes
 /// with a receipt verified `manual`, and the resolution is audited. Stale versions and missing
 /// reasons are refused without changing anything.
-async fn resolve_through_review_service(cluster: &Cluster, pool: &PgPool) -> Result<()> {
+async fn resolve_through_review_service(
+    cluster: &Cluster,
+    pool: &PgPool,
+    ledger: &PgPool,
+) -> Result<()> {
     use pb::resolve_request::Resolution;
     use z29c_proto::v1::review_service_client::ReviewServiceClient;
     let mut reviews = ReviewServiceClient::connect(cluster.review_url.clone()).await?;
@@ -190,7 +200,7 @@ async fn resolve_through_review_service(cluster: &Cluster, pool: &PgPool) -> Res
     assert_eq!(items.len(), 1);
     let item = &items[0];
     let reference: String = sqlx::query_scalar("SELECT reference FROM destination.ledger")
-        .fetch_one(pool)
+        .fetch_one(ledger)
         .await?;
     let resolve = |version: i64, reason: &str| {
         let mut req = tonic::Request::new(pb::ResolveRequest {
@@ -305,6 +315,7 @@ async fn stale_worker(query_reference: Option<&str>) -> Result<(Cluster, PgPool)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stale_workers_late_success_converges_with_recovery() -> Result<()> {
     let (cluster, pool) = stale_worker(None).await?;
+    let ledger = cluster.ledger_pool().await?;
     let (reference, verification): (String, String) =
         sqlx::query_as("SELECT external_reference, verification::text FROM step_receipts")
             .fetch_one(&pool)
@@ -319,15 +330,16 @@ async fn a_stale_workers_late_success_converges_with_recovery() -> Result<()> {
             .await?;
     assert_eq!(late_reference, reference, "the evidence converges");
     assert_eq!(reason["reason"], "receipt_exists");
-    let ledger: i64 = sqlx::query_scalar("SELECT count(*) FROM destination.ledger")
-        .fetch_one(&pool)
+    let effects: i64 = sqlx::query_scalar("SELECT count(*) FROM destination.ledger")
+        .fetch_one(&ledger)
         .await?;
-    assert_eq!(ledger, 1);
+    assert_eq!(effects, 1);
     let conflicts: i64 = sqlx::query_scalar("SELECT count(*) FROM integrity_conflicts")
         .fetch_one(&pool)
         .await?;
     assert_eq!(conflicts, 0);
     pool.close().await;
+    ledger.close().await;
     cluster.stop().await
 }
 
@@ -393,6 +405,7 @@ async fn a_recovery_worker_killed_mid_decision_leaves_nothing_half_done() -> Res
     })
     .await?;
     let pool = cluster.db.pool(2).await?;
+    let ledger = cluster.ledger_pool().await?;
     // the response is lost, and the status query hangs long enough to kill recovery inside it
     cluster
         .set_faults(
@@ -455,10 +468,11 @@ async fn a_recovery_worker_killed_mid_decision_leaves_nothing_half_done() -> Res
             .fetch_one(&pool)
             .await?;
     assert_eq!((verification.as_str(), receipts), ("status_query", 1));
-    let ledger: i64 = sqlx::query_scalar("SELECT count(*) FROM destination.ledger")
-        .fetch_one(&pool)
+    let effects: i64 = sqlx::query_scalar("SELECT count(*) FROM destination.ledger")
+        .fetch_one(&ledger)
         .await?;
-    assert_eq!(ledger, 1);
+    assert_eq!(effects, 1);
     pool.close().await;
+    ledger.close().await;
     cluster.stop().await
 }

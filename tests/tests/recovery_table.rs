@@ -91,10 +91,11 @@ async fn crash_after(
     Ok((cluster, pool, wf.id, decision))
 }
 
-async fn ledger(pool: &PgPool) -> Result<i64> {
+/// Effects the destination committed, counted in its own database, `ledger`.
+async fn effects(ledger: &PgPool) -> Result<i64> {
     Ok(
         sqlx::query_scalar("SELECT count(*) FROM destination.ledger")
-            .fetch_one(pool)
+            .fetch_one(ledger)
             .await?,
     )
 }
@@ -112,34 +113,38 @@ async fn workflow_state(pool: &PgPool) -> Result<String> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_crash_right_after_the_claim_finds_the_identity_already_persisted() -> Result<()> {
     let (cluster, pool, _, decision) = crash_after("attempt_created", "opaque").await?;
+    let ledger = cluster.ledger_pool().await?;
     assert_eq!(decision, ("identity_not_invoked".into(), "retry".into()));
     assert_eq!(
         workflow_state(&pool).await?,
         "completed",
         "nothing was sent: safe to run again, even when opaque"
     );
-    assert_eq!(ledger(&pool).await?, 1);
+    assert_eq!(effects(&ledger).await?, 1);
     let missing: i64 =
         sqlx::query_scalar("SELECT count(*) FROM attempts WHERE request_identity IS NULL")
             .fetch_one(&pool)
             .await?;
     assert_eq!(missing, 0, "no attempt ever existed without its identity");
     pool.close().await;
+    ledger.close().await;
     cluster.stop().await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn crash_after_the_identity_but_before_invocation_retries_with_it() -> Result<()> {
     let (cluster, pool, _, decision) = crash_after("request_identity_persisted", "opaque").await?;
+    let ledger = cluster.ledger_pool().await?;
     assert_eq!(decision, ("identity_not_invoked".into(), "retry".into()));
     assert_eq!(workflow_state(&pool).await?, "completed");
-    assert_eq!(ledger(&pool).await?, 1);
+    assert_eq!(effects(&ledger).await?, 1);
     let identities: i64 =
         sqlx::query_scalar("SELECT count(DISTINCT request_identity) FROM attempts")
             .fetch_one(&pool)
             .await?;
     assert_eq!(identities, 1, "the retry carried the same identity");
     pool.close().await;
+    ledger.close().await;
     cluster.stop().await
 }
 
@@ -147,17 +152,20 @@ async fn crash_after_the_identity_but_before_invocation_retries_with_it() -> Res
 async fn crash_after_invocation_began_depends_on_the_adapter() -> Result<()> {
     // idempotent: the same key may be sent again
     let (cluster, pool, _, decision) = crash_after("invocation_began", "idempotent").await?;
+    let ledger = cluster.ledger_pool().await?;
     assert_eq!(
         decision,
         ("invoked_idempotent".into(), "retry_same_identity".into())
     );
     assert_eq!(workflow_state(&pool).await?, "completed");
-    assert_eq!(ledger(&pool).await?, 1);
+    assert_eq!(effects(&ledger).await?, 1);
     pool.close().await;
+    ledger.close().await;
     cluster.stop().await?;
 
     // queryable: ask first; the destination never saw it, so the same identity goes again
     let (cluster, pool, _, decision) = crash_after("invocation_began", "queryable").await?;
+    let ledger = cluster.ledger_pool().await?;
     assert_eq!(
         decision,
         ("invoked_queryable".into(), "status_query".into())
@@ -168,13 +176,15 @@ async fn crash_after_invocation_began_depends_on_the_adapter() -> Result<()> {
             .await?;
     assert_eq!(decisions, ["status_query", "retry_same_identity"]);
     assert_eq!(workflow_state(&pool).await?, "completed");
-    assert_eq!(ledger(&pool).await?, 1);
+    assert_eq!(effects(&ledger).await?, 1);
     pool.close().await;
+    ledger.close().await;
     cluster.stop().await?;
 
     // opaque: nobody can say whether the request left, so a person decides; it did not leave
     // here (the crash came first), which is exactly what z29c cannot know: unknown, not absent
     let (cluster, pool, id, decision) = crash_after("invocation_began", "opaque").await?;
+    let ledger = cluster.ledger_pool().await?;
     assert_eq!(decision, ("invoked_opaque".into(), "human_review".into()));
     let wf = cluster
         .client()
@@ -183,12 +193,13 @@ async fn crash_after_invocation_began_depends_on_the_adapter() -> Result<()> {
         .await?
         .into_inner();
     assert_eq!(wf.state(), pb::ProductState::NeedsReview);
-    assert_eq!(ledger(&pool).await?, 0);
+    assert_eq!(effects(&ledger).await?, 0);
     let attempts: i64 = sqlx::query_scalar("SELECT count(*) FROM attempts")
         .fetch_one(&pool)
         .await?;
     assert_eq!(attempts, 1, "never retried automatically");
     pool.close().await;
+    ledger.close().await;
     cluster.stop().await
 }
 
@@ -204,6 +215,7 @@ async fn a_result_observed_without_a_receipt_is_reconciled_from_the_evidence() -
     })
     .await?;
     let pool = cluster.db.pool(2).await?;
+    let ledger = cluster.ledger_pool().await?;
     let wf = cluster
         .client()
         .await?
@@ -236,10 +248,11 @@ async fn a_result_observed_without_a_receipt_is_reconciled_from_the_evidence() -
             .await?;
     assert_eq!(verification, "late_evidence");
     let in_ledger: String = sqlx::query_scalar("SELECT reference FROM destination.ledger")
-        .fetch_one(&pool)
+        .fetch_one(&ledger)
         .await?;
     assert_eq!(reference, in_ledger);
     assert_eq!(workflow_state(&pool).await?, "completed");
     pool.close().await;
+    ledger.close().await;
     cluster.stop().await
 }

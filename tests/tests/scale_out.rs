@@ -126,7 +126,7 @@ async fn two_thousand_workflows_survive_kills_and_a_new_gateway_adds_capacity() 
         .wait_all_ended(&ids, Duration::from_secs(600))
         .await?;
 
-    let history = History::load(&pool).await?;
+    let history = History::load(&pool, &cluster.ledger_pool().await?).await?;
     let tally = history.tally();
     assert_eq!(tally.steps, WORKFLOWS);
     assert_eq!(

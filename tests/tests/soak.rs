@@ -18,10 +18,16 @@ async fn a_short_seeded_soak_finds_no_violation() -> Result<()> {
     println!("{}", report.summary());
     assert!(
         report.faults >= 8,
-        "too few faults injected: {}",
+        "too few faults landed: {}",
         report.faults
     );
     assert!(report.kills >= 1, "no process was killed");
+    assert!(
+        report.submit_errors.is_empty(),
+        "submissions refused: {:?}",
+        report.submit_errors
+    );
+    assert!(report.tally.completed > 0, "nothing completed");
     assert!(
         report.violations.is_empty(),
         "violations: {:#?}",

@@ -2,7 +2,8 @@
 //! `Idempotency-Key`; a status query is `GET {base}/v1/requests/{identity}`.
 //!
 //! The mapping is deliberately conservative: only a definite answer is known. Anything that
-//! may have reached the service without an answer (timeout, reset, 5xx) is *unknown*.
+//! may have reached the service without an answer (timeout, reset, 5xx, a 409 for a request
+//! still in flight) is *unknown*.
 
 use std::time::Duration;
 
@@ -113,6 +114,16 @@ pub async fn invoke(
     if status.is_server_error() {
         return CallOutcome::Unknown {
             reason: format!("server answered {status}"),
+        };
+    }
+    // 409 to a keyed request: one with the same key is still being processed (the IETF
+    // Idempotency-Key draft; Stripe answers so). Its effect may yet commit, so this is "ask
+    // again later with the same key", never a refusal.
+    if status == reqwest::StatusCode::CONFLICT
+        && !z29c_store::faults::broken(z29c_store::faults::Break::ConflictRefused)
+    {
+        return CallOutcome::Unknown {
+            reason: "409 Conflict: a request with this idempotency key is still in flight".into(),
         };
     }
     let text = match read_bounded(resp).await {

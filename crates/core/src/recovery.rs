@@ -21,6 +21,18 @@ pub struct Evidence {
     pub observed_result: bool,
     /// The step policy allows another attempt.
     pub attempts_left: bool,
+    /// An earlier attempt of the step began its invocation and was never told "not performed"
+    /// (a 429, a refused connection, no permit): its request may have reached the external
+    /// system. Every claim makes a new current attempt, so the checkpoint alone forgets it.
+    pub earlier_may_have_sent: bool,
+}
+
+impl Evidence {
+    /// Whether any attempt of the step, the current one or an earlier one, may have sent its
+    /// request: the question is about the step, never only about its current attempt.
+    pub fn may_have_sent(&self) -> bool {
+        self.earlier_may_have_sent || self.checkpoint.is_some_and(Checkpoint::may_have_invoked)
+    }
 }
 
 text_enum! {
@@ -73,8 +85,10 @@ impl RecoveryDecision {
 ///
 /// The order of the checks is the point: a receipt outranks everything, an observed result
 /// outranks what the checkpoint says, and once an invocation may have begun the adapter's
-/// capability alone decides whether anything may be sent again. An unknown outcome is never
-/// turned into a failure, even when the attempt budget is spent.
+/// capability alone decides whether anything may be sent again. "Began" is asked of every
+/// attempt of the step ([`Evidence::may_have_sent`]), so a crash of a later attempt before its
+/// own invocation cannot hide an earlier attempt's request. An unknown outcome is never turned
+/// into a failure, even when the attempt budget is spent.
 pub fn classify(e: &Evidence) -> (RecoveryCategory, RecoveryDecision) {
     use RecoveryCategory as C;
     use RecoveryDecision as D;
@@ -86,7 +100,7 @@ pub fn classify(e: &Evidence) -> (RecoveryCategory, RecoveryDecision) {
     if e.observed_result || checkpoint >= Checkpoint::ResponseObserved {
         return (C::ResultObserved, D::Reconcile);
     }
-    if checkpoint.may_have_invoked() {
+    if e.may_have_sent() {
         return match e.capability {
             AdapterCapability::Idempotent if e.attempts_left => {
                 (C::InvokedIdempotent, D::RetrySameIdentity)
@@ -120,13 +134,16 @@ mod tests {
                 for receipt in [false, true] {
                     for observed_result in [false, true] {
                         for attempts_left in [false, true] {
-                            out.push(Evidence {
-                                checkpoint,
-                                capability,
-                                receipt,
-                                observed_result,
-                                attempts_left,
-                            });
+                            for earlier_may_have_sent in [false, true] {
+                                out.push(Evidence {
+                                    checkpoint,
+                                    capability,
+                                    receipt,
+                                    observed_result,
+                                    attempts_left,
+                                    earlier_may_have_sent,
+                                });
+                            }
                         }
                     }
                 }
@@ -140,7 +157,7 @@ mod tests {
         use RecoveryCategory as C;
         use RecoveryDecision as D;
         let all = all_evidence();
-        assert_eq!(all.len(), 6 * 3 * 2 * 2 * 2);
+        assert_eq!(all.len(), 6 * 3 * 2 * 2 * 2 * 2);
         for e in all {
             let got = classify(&e);
             let cp = e.checkpoint.unwrap_or(Checkpoint::AttemptCreated);
@@ -148,7 +165,7 @@ mod tests {
                 (C::ReceiptExists, D::AcknowledgeOnly)
             } else if e.observed_result || cp >= Checkpoint::ResponseObserved {
                 (C::ResultObserved, D::Reconcile)
-            } else if cp == Checkpoint::InvocationBegan {
+            } else if cp == Checkpoint::InvocationBegan || e.earlier_may_have_sent {
                 match (e.capability, e.attempts_left) {
                     (AdapterCapability::Idempotent, true) => {
                         (C::InvokedIdempotent, D::RetrySameIdentity)
@@ -188,7 +205,7 @@ mod tests {
     #[test]
     fn after_invocation_only_an_idempotent_adapter_is_sent_again() {
         for e in all_evidence() {
-            let invoked = e.checkpoint.is_some_and(Checkpoint::may_have_invoked);
+            let invoked = e.may_have_sent();
             let (_, d) = classify(&e);
             if invoked && d.may_send_again() {
                 assert_eq!(e.capability, AdapterCapability::Idempotent, "{e:?}");
@@ -200,7 +217,7 @@ mod tests {
     #[test]
     fn an_opaque_unknown_always_goes_to_a_person() {
         for e in all_evidence() {
-            let invoked = e.checkpoint.is_some_and(Checkpoint::may_have_invoked);
+            let invoked = e.may_have_sent();
             if invoked
                 && e.capability == AdapterCapability::Opaque
                 && !e.receipt
@@ -217,12 +234,30 @@ mod tests {
         for e in all_evidence() {
             if classify(&e).1 == RecoveryDecision::Fail {
                 assert!(!e.receipt && !e.observed_result, "{e:?}");
-                assert!(
-                    !e.checkpoint.is_some_and(Checkpoint::may_have_invoked),
-                    "{e:?}"
-                );
+                assert!(!e.may_have_sent(), "{e:?}");
                 assert!(!e.attempts_left, "{e:?}");
             }
+        }
+    }
+
+    #[test]
+    fn an_earlier_attempt_that_may_have_sent_is_never_forgotten() {
+        // the current attempt got no further than its identity, but an earlier one began
+        for e in all_evidence()
+            .into_iter()
+            .filter(|e| e.earlier_may_have_sent && !e.receipt && !e.observed_result)
+            .filter(|e| e.checkpoint < Some(Checkpoint::ResponseObserved))
+        {
+            let (_, d) = classify(&e);
+            assert!(
+                matches!(
+                    d,
+                    RecoveryDecision::RetrySameIdentity
+                        | RecoveryDecision::StatusQuery
+                        | RecoveryDecision::HumanReview
+                ),
+                "{e:?} → {d:?}"
+            );
         }
     }
 

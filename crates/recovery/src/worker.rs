@@ -65,7 +65,15 @@ async fn decide_on(
         // an adapter nobody serves now cannot promise anything: treat it as opaque
         None => AdapterCapability::Opaque,
     };
-    let evidence = rec.snapshot.evidence(capability);
+    // the broken build that sends an opaque request again, as if it were idempotent
+    let judged_as = if capability == AdapterCapability::Opaque
+        && z29c_store::faults::broken(z29c_store::faults::Break::OpaqueRetried)
+    {
+        AdapterCapability::Idempotent
+    } else {
+        capability
+    };
+    let evidence = rec.snapshot.evidence(judged_as);
     let (category, decision) = classify(&evidence);
     tracing::info!(
         step = %expired.step,

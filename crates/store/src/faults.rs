@@ -111,12 +111,99 @@ impl From<CrashPoint> for String {
     }
 }
 
+/// A deliberately broken build, one per rule the checker must defend: each breaks one rule
+/// of the attempt protocol, and a scenario run on it must be judged guilty by the checker
+/// (the suite proves it does). Switched on for a process by `Z29C_FAULT_BREAK`, a
+/// comma-separated list of names, in a build with the `faults` feature; never in a release.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Break {
+    /// "Could something have been sent?" asked of the step's current attempt only.
+    CurrentAttemptOnly,
+    /// Every attempt gets a request identity of its own, so no retry is recognised.
+    NewIdentityPerRetry,
+    /// Recovery treats an opaque adapter as idempotent, and sends again.
+    OpaqueRetried,
+    /// A `409` for a request still in flight is read as a refusal.
+    ConflictRefused,
+}
+
+impl Break {
+    pub const ALL: [Break; 4] = [
+        Break::CurrentAttemptOnly,
+        Break::NewIdentityPerRetry,
+        Break::OpaqueRetried,
+        Break::ConflictRefused,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Break::CurrentAttemptOnly => "current_attempt_only",
+            Break::NewIdentityPerRetry => "new_identity_per_retry",
+            Break::OpaqueRetried => "opaque_retried",
+            Break::ConflictRefused => "conflict_refused",
+        }
+    }
+}
+
+impl fmt::Display for Break {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for Break {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Self::ALL
+            .into_iter()
+            .find(|b| b.as_str() == s)
+            .ok_or_else(|| {
+                let names: Vec<&str> = Self::ALL.iter().map(|b| b.as_str()).collect();
+                format!("no broken build {s:?}: one of {}", names.join(", "))
+            })
+    }
+}
+
+/// Parses `Z29C_FAULT_BREAK`'s value; an unknown name is an error naming the known ones.
+pub fn parse_breaks(list: &str) -> Result<Vec<Break>, String> {
+    list.split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(str::parse)
+        .collect()
+}
+
 #[cfg(feature = "faults")]
 mod switches {
     use std::sync::OnceLock;
     use std::sync::atomic::{AtomicBool, Ordering};
 
-    use super::CrashPoint;
+    use super::{Break, CrashPoint};
+
+    static BREAKS: OnceLock<Vec<Break>> = OnceLock::new();
+
+    /// Whether this process runs as the broken build `b` (`Z29C_FAULT_BREAK`, read once).
+    pub fn broken(b: Break) -> bool {
+        BREAKS
+            .get_or_init(|| {
+                let list = std::env::var("Z29C_FAULT_BREAK").unwrap_or_default();
+                match super::parse_breaks(&list) {
+                    Ok(breaks) => {
+                        for b in &breaks {
+                            tracing::error!(broken = %b, "fault: this build is broken on purpose");
+                        }
+                        breaks
+                    }
+                    Err(e) => {
+                        // a test asked for a break this build does not know: say so loudly
+                        tracing::error!(error = %e, "Z29C_FAULT_BREAK");
+                        std::process::abort();
+                    }
+                }
+            })
+            .contains(&b)
+    }
 
     static CRASH: OnceLock<CrashPoint> = OnceLock::new();
     static UNFENCED_RECEIPTS: AtomicBool = AtomicBool::new(false);
@@ -153,7 +240,13 @@ mod switches {
 #[cfg(feature = "faults")]
 pub(crate) use switches::receipts_unfenced;
 #[cfg(feature = "faults")]
-pub use switches::{arm, break_receipt_fencing, crash_if_armed, is_armed};
+pub use switches::{arm, break_receipt_fencing, broken, crash_if_armed, is_armed};
+
+#[cfg(not(feature = "faults"))]
+#[inline(always)]
+pub fn broken(_b: Break) -> bool {
+    false
+}
 
 #[cfg(not(feature = "faults"))]
 #[inline(always)]
@@ -189,5 +282,22 @@ mod tests {
                 .contains("before_<checkpoint>")
         );
         assert!("after_lunch".parse::<CrashPoint>().is_err());
+    }
+
+    #[test]
+    fn broken_builds_round_trip_and_an_unknown_one_is_named() {
+        for b in Break::ALL {
+            assert_eq!(b.as_str().parse::<Break>(), Ok(b));
+        }
+        assert_eq!(
+            parse_breaks("opaque_retried, conflict_refused"),
+            Ok(vec![Break::OpaqueRetried, Break::ConflictRefused])
+        );
+        assert_eq!(parse_breaks(""), Ok(vec![]));
+        let e = parse_breaks("opaque_retried,everything").unwrap_err();
+        assert!(
+            e.contains("\"everything\"") && e.contains("current_attempt_only"),
+            "{e}"
+        );
     }
 }

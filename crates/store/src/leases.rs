@@ -19,7 +19,7 @@ use z29c_core::{
 
 use crate::error::parse;
 use crate::events::{self, EventKind, NewEvent};
-use crate::faults::{self, CrashPoint};
+use crate::faults::{self, Break, CrashPoint};
 use crate::fence::{self, Held};
 use crate::outbox::{self, MessageKind};
 use crate::workflows::{Receipt, ReceiptRow, open_review, receipt_columns};
@@ -196,8 +196,11 @@ macro_rules! claim_sql {
                      attempt_deadline = now() + s.attempt_deadline_ms * interval '1 millisecond',
                      current_attempt_id = z29c_uuid_v7(),
                      attempts_made = s.attempts_made + 1,
-                     request_identity = coalesce(s.request_identity,
-                         'z29c:' || s.workflow_id::text || ':' || s.name),
+                     request_identity = CASE WHEN $4
+                         THEN 'z29c:' || s.workflow_id::text || ':' || s.name || ':'
+                              || (s.attempts_made + 1)
+                         ELSE coalesce(s.request_identity,
+                             'z29c:' || s.workflow_id::text || ':' || s.name) END,
                      checkpoint_version = s.checkpoint_version + 1, updated_at = now()
                  FROM picked WHERE s.id = picked.id
                  RETURNING s.*
@@ -258,7 +261,9 @@ impl Store {
         let rows = sqlx::query_as::<_, ClaimRow>(claim_sql!())
             .bind(owner.as_str())
             .bind(max)
-            .bind(EventKind::Checkpoint.as_str());
+            .bind(EventKind::Checkpoint.as_str())
+            // the broken build that gives every attempt an identity of its own
+            .bind(faults::broken(Break::NewIdentityPerRetry));
         let mut tx = self.begin_walking_indexes(true).await?;
         let rows = rows.fetch_all(&mut *tx).await?;
         if !rows.is_empty() {
@@ -282,6 +287,7 @@ impl Store {
         .bind(owner.as_str())
         .bind(max)
         .bind(EventKind::Checkpoint.as_str())
+        .bind(false)
         .fetch_one(&mut *tx)
         .await?;
         tx.rollback().await?;
@@ -564,15 +570,26 @@ impl Store {
                 "invocation began: the step can only be given to recovery".into(),
             ));
         }
+        sqlx::query("UPDATE attempts SET state = 'released', updated_at = now() WHERE id = $1")
+            .bind(claim.attempt.as_uuid())
+            .execute(&mut *tx)
+            .await?;
         // the workflow's state as it is now, locked against a concurrent end (deadline,
-        // cancel), so a step is never made ready in a workflow that just ended
-        let workflow_state: String =
-            sqlx::query_scalar("SELECT state::text FROM workflows WHERE id = $1 FOR SHARE")
-                .bind(held.workflow)
-                .fetch_one(&mut *tx)
-                .await?;
+        // cancel), so a step is never made ready in a workflow that just ended; and whether
+        // any attempt of the step, this one now released, may have sent its request
+        let (workflow_state, may_have_sent): (String, bool) = sqlx::query_as(
+            "SELECT state::text, z29c_may_have_sent($2) FROM workflows WHERE id = $1 FOR SHARE",
+        )
+        .bind(held.workflow)
+        .bind(claim.step.as_uuid())
+        .fetch_one(&mut *tx)
+        .await?;
+        // an ended workflow stops the step; one whose earlier attempt may have had an effect
+        // is not cancelled but goes to review
         let next = if parse::<WorkflowState>(&workflow_state)? == WorkflowState::Running {
             "ready"
+        } else if may_have_sent && !faults::broken(Break::CurrentAttemptOnly) {
+            "needs_review"
         } else {
             "cancelled"
         };
@@ -588,10 +605,15 @@ impl Store {
         .bind(millis(delay))
         .execute(&mut *tx)
         .await?;
-        sqlx::query("UPDATE attempts SET state = 'released', updated_at = now() WHERE id = $1")
-            .bind(claim.attempt.as_uuid())
-            .execute(&mut *tx)
+        if next == "needs_review" {
+            open_review(
+                &mut tx,
+                held.workflow,
+                claim.step.as_uuid(),
+                "workflow ended after an earlier attempt's request may have been sent",
+            )
             .await?;
+        }
         events::append(
             &mut tx,
             NewEvent::by(
@@ -936,25 +958,39 @@ pub(crate) async fn end_workflow(
     .await
 }
 
-/// Stops a finished workflow's steps that never started. One whose last attempt may have
-/// reached the external system goes to review: its effect may exist.
+/// Stops a finished workflow's steps that are not running. One that any of its attempts may
+/// have sent (`z29c_may_have_sent`) goes to review: its effect may exist.
 pub(crate) async fn stop_unstarted_steps(
     conn: &mut PgConnection,
     workflow: Uuid,
     reason: &str,
 ) -> Result<()> {
-    let stopped: Vec<(Uuid, String, i64)> = sqlx::query_as(
-        "UPDATE steps s
-         SET state = CASE WHEN a.checkpoint >= 'invocation_began'
-                          THEN 'needs_review'::step_state ELSE 'cancelled'::step_state END,
-             updated_at = now()
-         FROM steps s0 LEFT JOIN attempts a ON a.id = s0.current_attempt_id
-         WHERE s0.id = s.id AND s.workflow_id = $1 AND s.state IN ('blocked', 'ready')
-         RETURNING s.id, s.state::text, s.lease_version",
-    )
-    .bind(workflow)
-    .fetch_all(&mut *conn)
-    .await?;
+    let stopped: Vec<(Uuid, String, i64)> = if faults::broken(Break::CurrentAttemptOnly) {
+        sqlx::query_as(
+            "UPDATE steps s
+             SET state = CASE WHEN a.checkpoint >= 'invocation_began'
+                              THEN 'needs_review'::step_state ELSE 'cancelled'::step_state END,
+                 updated_at = now()
+             FROM steps s0 LEFT JOIN attempts a ON a.id = s0.current_attempt_id
+             WHERE s0.id = s.id AND s.workflow_id = $1 AND s.state IN ('blocked', 'ready')
+             RETURNING s.id, s.state::text, s.lease_version",
+        )
+        .bind(workflow)
+        .fetch_all(&mut *conn)
+        .await?
+    } else {
+        sqlx::query_as(
+            "UPDATE steps s
+             SET state = CASE WHEN z29c_may_have_sent(s.id)
+                              THEN 'needs_review'::step_state ELSE 'cancelled'::step_state END,
+                 updated_at = now()
+             WHERE s.workflow_id = $1 AND s.state IN ('blocked', 'ready')
+             RETURNING s.id, s.state::text, s.lease_version",
+        )
+        .bind(workflow)
+        .fetch_all(&mut *conn)
+        .await?
+    };
     for (step, state, lease_version) in stopped {
         if state == "needs_review" {
             open_review(

@@ -17,6 +17,7 @@ use z29c_core::{
 
 use crate::error::parse;
 use crate::events::{self, EventKind, NewEvent};
+use crate::faults::{self, Break};
 use crate::leases::{Observed, end_workflow, finish_step, stop_unstarted_steps};
 use crate::outbox::{self, MessageKind};
 use crate::workflows::{Receipt, ReceiptRow, open_review, receipt_columns};
@@ -67,6 +68,9 @@ pub struct RecoverySnapshot {
     pub late_observations: Vec<LateObservation>,
     /// Attempts that counted against the budget (released ones do not).
     pub attempts_used: i64,
+    /// An attempt before the current one may have sent its request (`z29c_may_have_sent`'s
+    /// rule, for the attempts but the current one).
+    pub earlier_may_have_sent: bool,
     pub max_attempts: i32,
     /// The workflow's W3C `traceparent`: recovery's spans join the submission's trace.
     pub trace_context: Option<String>,
@@ -82,6 +86,7 @@ impl RecoverySnapshot {
             receipt: self.receipt.is_some(),
             observed_result: !self.matching_observations().is_empty(),
             attempts_left: self.attempts_used < i64::from(self.max_attempts),
+            earlier_may_have_sent: self.earlier_may_have_sent,
         }
     }
 
@@ -289,10 +294,16 @@ impl Store {
         .fetch_optional(&mut *tx)
         .await?;
         let late_observations = late_observations(&mut tx, step.as_uuid()).await?;
-        let attempts_used: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM attempts WHERE step_id = $1 AND state <> 'released'",
+        // the budget, and whether an attempt before the current one may have sent: the
+        // current attempt's checkpoint alone forgets an earlier request
+        let (attempts_used, earlier_may_have_sent): (i64, bool) = sqlx::query_as(
+            "SELECT count(*) FILTER (WHERE state <> 'released'),
+                    coalesce(bool_or(checkpoint >= 'invocation_began' AND state <> 'released')
+                             FILTER (WHERE id IS DISTINCT FROM $2), false)
+             FROM attempts WHERE step_id = $1",
         )
         .bind(step.as_uuid())
+        .bind(attempt)
         .fetch_one(&mut *tx)
         .await?;
         tx.commit().await?;
@@ -321,6 +332,8 @@ impl Store {
                 receipt: receipt.map(Receipt::try_from).transpose()?,
                 late_observations,
                 attempts_used,
+                earlier_may_have_sent: earlier_may_have_sent
+                    && !faults::broken(Break::CurrentAttemptOnly),
                 max_attempts: row.max_attempts,
                 trace_context: row.trace_context,
             },
@@ -339,18 +352,25 @@ impl Store {
     ) -> Result<Uuid> {
         let mut tx = self.begin().await?;
         let held = fence::fence(&mut tx, lease, FencedWrite::Release).await?;
-        let checkpoint: Option<String> =
-            sqlx::query_scalar("SELECT checkpoint::text FROM attempts WHERE id = $1")
-                .bind(lease.attempt.as_uuid())
-                .fetch_optional(&mut *tx)
-                .await?;
+        let (checkpoint, may_have_sent): (Option<String>, bool) = sqlx::query_as(
+            "SELECT (SELECT checkpoint::text FROM attempts WHERE id = $1), z29c_may_have_sent($2)",
+        )
+        .bind(lease.attempt.as_uuid())
+        .bind(lease.step.as_uuid())
+        .fetch_one(&mut *tx)
+        .await?;
         let checkpoint: Option<Checkpoint> = checkpoint.as_deref().map(parse).transpose()?;
         use RecoveryDecision as D;
-        if matches!(record.decision, D::MakeReady | D::Retry)
-            && checkpoint.is_some_and(Checkpoint::may_have_invoked)
-        {
+        // behind classify's own rule, the database's: once any attempt may have sent, a
+        // fresh request or a failure could hide an effect
+        let may_have_sent = if faults::broken(Break::CurrentAttemptOnly) {
+            checkpoint.is_some_and(Checkpoint::may_have_invoked)
+        } else {
+            may_have_sent
+        };
+        if matches!(record.decision, D::MakeReady | D::Retry | D::Fail) && may_have_sent {
             return Err(StoreError::Conflict(format!(
-                "{} after an invocation may have begun: only the same request identity may be sent again",
+                "{} after an invocation may have begun: only the same request identity may be sent again, or a person decides",
                 record.decision
             )));
         }

@@ -272,6 +272,19 @@ impl Store {
                 .await?;
             }
             Resolution::RetrySameIdentity => {
+                // a step made ready in an ended workflow is never claimed again, and its
+                // possible effect would be left with no open review
+                let running: bool = sqlx::query_scalar(
+                    "SELECT state = 'running' FROM workflows WHERE id = $1 FOR SHARE",
+                )
+                .bind(held.workflow)
+                .fetch_one(&mut *tx)
+                .await?;
+                if !running {
+                    return Err(StoreError::Conflict(
+                        "the workflow has ended, so nothing will send the request again: resolve as succeeded (with the reference found) or failed".into(),
+                    ));
+                }
                 sqlx::query(
                     "UPDATE steps SET state = 'ready', lease_owner = NULL, leased_at = NULL,
                          expires_at = NULL, next_eligible_at = now(), updated_at = now()

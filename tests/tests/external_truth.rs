@@ -1,0 +1,414 @@
+//! What the outside world recorded is the judge. Each scenario runs real processes against
+//! the destination, whose records live in a database of its own, lets a person resolve what
+//! went to review from those records, and ends with the checker counting effects per step
+//! there: a step that may have had an effect never ends Failed or Cancelled without proof or
+//! review, a completed step has exactly the one effect its receipt names, and an opaque
+//! request reaches the destination once.
+//!
+//! Each scenario also runs on a deliberately broken build (`Z29C_FAULT_BREAK`), which the
+//! checker must find guilty: a checker that passes everything would pass these too.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use serde_json::json;
+use sqlx::PgPool;
+use z29c_core::AdapterCapability;
+use z29c_proto::v1::{self as pb};
+use z29c_scenarios::cluster::{Cluster, Topology, chain};
+use z29c_scenarios::history::{Expect, History, Invariant, Violation};
+use z29c_store::faults::Break;
+
+fn policy(max_attempts: u32) -> pb::LeasePolicy {
+    pb::LeasePolicy {
+        lease_ms: 1_500,
+        renew_every_ms: 500,
+        attempt_deadline_ms: 8_000,
+        final_grace_ms: 500,
+        adapter_timeout_ms: 1_000,
+        max_attempts,
+        ..Default::default()
+    }
+}
+
+/// A cluster whose every process runs as `broken` (none: the real build).
+async fn start(mut t: Topology, broken: Option<Break>) -> Result<Cluster> {
+    if let Some(b) = broken {
+        t.env.push(("Z29C_FAULT_BREAK".into(), b.to_string()));
+    }
+    Cluster::start_with(t).await
+}
+
+async fn submit(cluster: &Cluster, mut req: pb::SubmitRequest) -> Result<String> {
+    let mut client = cluster.client().await?;
+    for s in &mut req.steps {
+        s.adapter = "http".into();
+    }
+    Ok(client
+        .submit(req)
+        .await?
+        .into_inner()
+        .workflow
+        .context("submit answered no workflow")?
+        .id)
+}
+
+async fn count(pool: &PgPool, sql: &'static str) -> Result<i64> {
+    Ok(sqlx::query_scalar(sql).fetch_one(pool).await?)
+}
+
+async fn wait_for(pool: &PgPool, sql: &'static str, what: &str, within: Duration) -> Result<()> {
+    let start = Instant::now();
+    while count(pool, sql).await? == 0 {
+        if start.elapsed() > within {
+            bail!("waited {within:?} for {what}");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    Ok(())
+}
+
+async fn product_state(cluster: &Cluster, id: &str) -> Result<pb::ProductState> {
+    Ok(cluster
+        .client()
+        .await?
+        .get(pb::GetRequest {
+            workflow_id: id.to_owned(),
+        })
+        .await?
+        .into_inner()
+        .state())
+}
+
+/// How a scenario ended.
+#[derive(Debug)]
+struct Ended {
+    /// The workflow's state before anyone resolved a review item.
+    before_review: pb::ProductState,
+    /// After a person resolved what was in review, from the destination's records.
+    after_review: pb::ProductState,
+    violations: Vec<Violation>,
+    cluster: Cluster,
+}
+
+impl Ended {
+    fn broke(&self, invariant: Invariant) -> bool {
+        self.violations.iter().any(|v| v.invariant == invariant)
+    }
+}
+
+/// Waits for the workflow to end, lets a person resolve its review items, and judges the run
+/// on both records, every step required to complete.
+async fn judge(
+    cluster: Cluster,
+    id: &str,
+    capability: AdapterCapability,
+    steps: usize,
+) -> Result<Ended> {
+    let ids = [id.to_owned()];
+    cluster
+        .wait_all_ended(&ids, Duration::from_secs(60))
+        .await?;
+    let before_review = product_state(&cluster, id).await?;
+    if cluster.resolve_reviews_from_ledger().await? > 0 {
+        cluster
+            .wait_all_ended(&ids, Duration::from_secs(60))
+            .await?;
+    }
+    let after_review = product_state(&cluster, id).await?;
+    let pool = cluster.db.pool(2).await?;
+    let ledger = cluster.ledger_pool().await?;
+    let history = History::load(&pool, &ledger).await?;
+    let violations = history.check(&Expect {
+        capabilities: [("http".to_owned(), capability)].into(),
+        permit_limit: 16,
+        min_completed: steps,
+    });
+    pool.close().await;
+    ledger.close().await;
+    Ok(Ended {
+        before_review,
+        after_review,
+        violations,
+        cluster,
+    })
+}
+
+/// A destination that answers `409 Conflict` to a same-key request while the first is still
+/// being processed. The first request commits its effect after 2.5 s; the retries meet 409s
+/// until then and a replay of the one effect after.
+async fn conflict_in_flight(broken: Option<Break>) -> Result<Ended> {
+    let cluster = start(
+        Topology {
+            recoveries: 1,
+            ..Topology::default()
+        },
+        broken,
+    )
+    .await?;
+    let ledger = cluster.ledger_pool().await?;
+    cluster
+        .set_faults(
+            "charge",
+            json!({ "delay_ms": 2_500, "conflict_in_flight": true }),
+        )
+        .await?;
+    let mut req = chain("in-flight", "charge", 2);
+    for s in &mut req.steps {
+        s.policy = Some(policy(12));
+    }
+    let id = submit(&cluster, req).await?;
+    wait_for(
+        &ledger,
+        "SELECT count(*) FROM destination.requests",
+        "the first request",
+        Duration::from_secs(20),
+    )
+    .await?;
+    // only the first request is slow; the 409s come while it is in flight
+    cluster
+        .set_faults("charge", json!({ "conflict_in_flight": true }))
+        .await?;
+    // the first request's effect commits whatever z29c decided meanwhile
+    wait_for(
+        &ledger,
+        "SELECT count(*) FROM destination.ledger",
+        "the first request's effect",
+        Duration::from_secs(20),
+    )
+    .await?;
+    let conflicts = count(
+        &ledger,
+        "SELECT count(*) FROM destination.requests WHERE refused = 'in_flight'",
+    )
+    .await?;
+    assert!(conflicts >= 1, "the destination never answered 409");
+    ledger.close().await;
+    judge(cluster, &id, AdapterCapability::Idempotent, 2).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_409_for_a_request_still_in_flight_is_unknown_not_a_refusal() -> Result<()> {
+    let ended = conflict_in_flight(None).await?;
+    assert_eq!(
+        ended.before_review,
+        pb::ProductState::Completed,
+        "a 409 while in flight must not fail the step"
+    );
+    assert!(ended.violations.is_empty(), "{:#?}", ended.violations);
+    ended.cluster.stop().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_checker_catches_a_build_that_reads_a_409_as_a_refusal() -> Result<()> {
+    let ended = conflict_in_flight(Some(Break::ConflictRefused)).await?;
+    assert_eq!(ended.before_review, pb::ProductState::Failed);
+    assert!(ended.broke(Invariant::A), "{:#?}", ended.violations);
+    ended.cluster.stop().await
+}
+
+/// Attempt 1 reaches the destination and its answer is lost; recovery retries with the same
+/// key; attempt 2 dies right after its identity is persisted, with no attempts left. Attempt
+/// 1's effect is in the ledger, so the step may not end Failed.
+async fn later_attempt_dies_unsent(broken: Option<Break>) -> Result<Ended> {
+    let mut cluster = start(
+        Topology {
+            executors: 0,
+            recoveries: 1,
+            ..Topology::default()
+        },
+        broken,
+    )
+    .await?;
+    let pool = cluster.db.pool(2).await?;
+    let ledger = cluster.ledger_pool().await?;
+    cluster
+        .set_faults("charge", json!({ "drop_response": true }))
+        .await?;
+    cluster
+        .add_executor_with(&[("Z29C_WORKERS", "1"), ("Z29C_CLAIM_BATCH", "1")])
+        .await?;
+    let mut req = chain("forgotten", "charge", 1);
+    req.steps[0].policy = Some(policy(2));
+    let id = submit(&cluster, req).await?;
+    wait_for(
+        &ledger,
+        "SELECT count(*) FROM destination.ledger",
+        "attempt 1's effect",
+        Duration::from_secs(20),
+    )
+    .await?;
+    // attempt 1's worker dies holding the call; the next worker dies unsent
+    cluster
+        .process("executor-1")
+        .context("executor-1")?
+        .kill()
+        .await?;
+    cluster
+        .add_executor_with(&[
+            ("Z29C_FAULT_CRASH", "after_request_identity_persisted"),
+            ("Z29C_WORKERS", "1"),
+            ("Z29C_CLAIM_BATCH", "1"),
+        ])
+        .await?;
+    cluster
+        .wait_exited("executor-2", Duration::from_secs(30))
+        .await?;
+    cluster
+        .wait_all_ended(std::slice::from_ref(&id), Duration::from_secs(60))
+        .await?;
+    let attempts = count(&pool, "SELECT count(*) FROM attempts").await?;
+    assert_eq!(attempts, 2, "attempt 1 sent, attempt 2 died unsent");
+    pool.close().await;
+    ledger.close().await;
+    judge(cluster, &id, AdapterCapability::Idempotent, 1).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_earlier_attempts_request_is_not_forgotten_when_a_later_attempt_dies_unsent()
+-> Result<()> {
+    let ended = later_attempt_dies_unsent(None).await?;
+    assert_eq!(
+        ended.before_review,
+        pb::ProductState::NeedsReview,
+        "attempt 1 may have had an effect: review, never Failed"
+    );
+    assert_eq!(ended.after_review, pb::ProductState::Completed);
+    assert!(ended.violations.is_empty(), "{:#?}", ended.violations);
+    ended.cluster.stop().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_checker_catches_a_build_that_asks_only_the_current_attempt_before_failing()
+-> Result<()> {
+    let ended = later_attempt_dies_unsent(Some(Break::CurrentAttemptOnly)).await?;
+    assert_eq!(ended.before_review, pb::ProductState::Failed);
+    assert!(ended.broke(Invariant::A), "{:#?}", ended.violations);
+    ended.cluster.stop().await
+}
+
+/// With one permit, attempt 1's answer comes after the adapter timeout (unknown: its permit is
+/// held for the safety window); later attempts find no permit and are released; the
+/// workflow's deadline passes. Attempt 1's effect is in the ledger, so the step may not end
+/// Cancelled.
+async fn deadline_while_permit_held(broken: Option<Break>) -> Result<Ended> {
+    let cluster = start(
+        Topology {
+            recoveries: 1,
+            permit_limit: 1,
+            ..Topology::default()
+        },
+        broken,
+    )
+    .await?;
+    let pool = cluster.db.pool(2).await?;
+    cluster
+        .set_faults("charge", json!({ "answer_delay_ms": 3_000 }))
+        .await?;
+    let mut req = chain("deadline", "charge", 1);
+    req.steps[0].policy = Some(policy(6));
+    let deadline = chrono::Utc::now() + chrono::Duration::milliseconds(5_000);
+    req.deadline = Some(prost_types::Timestamp {
+        seconds: deadline.timestamp(),
+        nanos: deadline.timestamp_subsec_nanos() as i32,
+    });
+    let id = submit(&cluster, req).await?;
+    cluster
+        .wait_all_ended(std::slice::from_ref(&id), Duration::from_secs(60))
+        .await?;
+    let unsent = count(
+        &pool,
+        "SELECT count(*) FROM attempts WHERE number > 1 AND state = 'released'",
+    )
+    .await?;
+    assert!(
+        unsent >= 1,
+        "no later attempt was released without a permit"
+    );
+    pool.close().await;
+    judge(cluster, &id, AdapterCapability::Idempotent, 1).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deadline_does_not_cancel_a_step_whose_earlier_attempt_may_have_sent() -> Result<()> {
+    let ended = deadline_while_permit_held(None).await?;
+    assert_eq!(
+        ended.before_review,
+        pb::ProductState::NeedsReview,
+        "attempt 1 may have had an effect: review, never Cancelled"
+    );
+    assert!(ended.violations.is_empty(), "{:#?}", ended.violations);
+    ended.cluster.stop().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_checker_catches_a_build_that_cancels_on_the_current_attempt_alone() -> Result<()> {
+    let ended = deadline_while_permit_held(Some(Break::CurrentAttemptOnly)).await?;
+    assert_eq!(ended.before_review, pb::ProductState::Cancelled);
+    assert!(ended.broke(Invariant::A), "{:#?}", ended.violations);
+    ended.cluster.stop().await
+}
+
+/// The first request's answer is lost; the destination then answers normally. Recovery
+/// retries an idempotent step under the same key, which the destination de-duplicates; an
+/// opaque one goes to review.
+async fn first_answer_lost(capability: &'static str, broken: Option<Break>) -> Result<Ended> {
+    let cluster = start(
+        Topology {
+            recoveries: 1,
+            capability,
+            ..Topology::default()
+        },
+        broken,
+    )
+    .await?;
+    let ledger = cluster.ledger_pool().await?;
+    cluster
+        .set_faults("charge", json!({ "drop_response": true }))
+        .await?;
+    let mut req = chain("lost", "charge", 1);
+    req.steps[0].policy = Some(policy(4));
+    let id = submit(&cluster, req).await?;
+    wait_for(
+        &ledger,
+        "SELECT count(*) FROM destination.ledger",
+        "the first effect",
+        Duration::from_secs(20),
+    )
+    .await?;
+    cluster.set_faults("charge", json!({})).await?;
+    ledger.close().await;
+    let capability = capability.parse().map_err(anyhow::Error::msg)?;
+    judge(cluster, &id, capability, 1).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_answer_is_retried_under_the_same_key_or_reviewed() -> Result<()> {
+    let idempotent = first_answer_lost("idempotent", None).await?;
+    assert_eq!(idempotent.before_review, pb::ProductState::Completed);
+    assert!(
+        idempotent.violations.is_empty(),
+        "{:#?}",
+        idempotent.violations
+    );
+    idempotent.cluster.stop().await?;
+    let opaque = first_answer_lost("opaque", None).await?;
+    assert_eq!(opaque.before_review, pb::ProductState::NeedsReview);
+    assert_eq!(opaque.after_review, pb::ProductState::Completed);
+    assert!(opaque.violations.is_empty(), "{:#?}", opaque.violations);
+    opaque.cluster.stop().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_checker_catches_a_build_that_gives_each_retry_a_new_identity() -> Result<()> {
+    let ended = first_answer_lost("idempotent", Some(Break::NewIdentityPerRetry)).await?;
+    assert!(ended.broke(Invariant::A), "{:#?}", ended.violations);
+    ended.cluster.stop().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_checker_catches_a_build_that_retries_an_opaque_request() -> Result<()> {
+    let ended = first_answer_lost("opaque", Some(Break::OpaqueRetried)).await?;
+    assert!(ended.broke(Invariant::D), "{:#?}", ended.violations);
+    ended.cluster.stop().await
+}
