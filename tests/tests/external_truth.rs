@@ -412,3 +412,73 @@ async fn the_checker_catches_a_build_that_retries_an_opaque_request() -> Result<
     assert!(ended.broke(Invariant::D), "{:#?}", ended.violations);
     ended.cluster.stop().await
 }
+
+/// The worker holding the call is stopped right after the gateway passed it the answer, and
+/// stays stopped past its lease. The gateway recorded *response observed* before it replied,
+/// so recovery completes the step from that record at expiry, whatever the capability, with
+/// the reference the destination gave; the worker's own answer, when it wakes, is only
+/// evidence that agrees.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_whose_worker_is_stopped_is_recorded_by_the_gateway() -> Result<()> {
+    for capability in ["idempotent", "queryable", "opaque"] {
+        let mut cluster = start(
+            Topology {
+                executors: 0,
+                recoveries: 1,
+                capability,
+                ..Topology::default()
+            },
+            None,
+        )
+        .await?;
+        cluster
+            .add_executor_with(&[("Z29C_FAULT_STALL_AFTER_RESPONSE_MS", "3000")])
+            .await?;
+        let mut req = chain("stopped", "charge", 1);
+        req.steps[0].policy = Some(policy(4));
+        let id = submit(&cluster, req).await?;
+        let log = cluster.dir().join("executor-1.log");
+        let start = Instant::now();
+        while !std::fs::read_to_string(&log)
+            .is_ok_and(|l| l.contains("fault: stalling after the response"))
+        {
+            if start.elapsed() > Duration::from_secs(20) {
+                bail!("{capability}: the worker never held an answer");
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        cluster
+            .process("executor-1")
+            .context("executor-1")?
+            .pause()?;
+        cluster
+            .wait_all_ended(std::slice::from_ref(&id), Duration::from_secs(60))
+            .await?;
+        cluster
+            .process("executor-1")
+            .context("executor-1")?
+            .resume()?;
+        let pool = cluster.db.pool(2).await?;
+        let ledger = cluster.ledger_pool().await?;
+        let (verification, reference): (String, String) =
+            sqlx::query_as("SELECT verification::text, external_reference FROM step_receipts")
+                .fetch_one(&pool)
+                .await?;
+        let effect: String = sqlx::query_scalar("SELECT reference FROM destination.ledger")
+            .fetch_one(&ledger)
+            .await?;
+        assert_eq!(
+            (verification.as_str(), reference.as_str()),
+            ("late_evidence", effect.as_str()),
+            "{capability}: completed by recovery from the gateway's record of the answer"
+        );
+        pool.close().await;
+        ledger.close().await;
+        let capability = capability.parse().map_err(anyhow::Error::msg)?;
+        let ended = judge(cluster, &id, capability, 1).await?;
+        assert_eq!(ended.before_review, pb::ProductState::Completed);
+        assert!(ended.violations.is_empty(), "{:#?}", ended.violations);
+        ended.cluster.stop().await?;
+    }
+    Ok(())
+}

@@ -8,7 +8,9 @@ use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 use tracing::Instrument;
-use z29c_core::{Checkpoint, FenceReason, LeaseClaim, RequestIdentity};
+use z29c_core::{
+    Checkpoint, ExternalReference, FenceReason, InputDigest, LeaseClaim, Outcome, RequestIdentity,
+};
 use z29c_proto::v1::adapter_gateway_server::AdapterGateway;
 use z29c_proto::v1::{
     self as pb, DescribeRequest, DescribeResponse, InvokeRequest, InvokeResponse, QueryRequest,
@@ -18,6 +20,7 @@ use z29c_runtime::status_from_store;
 use z29c_store::batch::GroupCommit;
 use z29c_store::faults::{CrashPoint, crash_if_armed};
 use z29c_store::invocations::InvocationBatches;
+use z29c_store::leases::{Observation, Observed};
 use z29c_store::permits::{EndedPermit, Permit, PermitRequest};
 use z29c_store::{Store, StoreError};
 
@@ -189,6 +192,38 @@ fn call_timeout<T>(req: &Request<T>, max: Duration) -> Duration {
 /// release or hold in PostgreSQL, the reply), so the gateway answers before the deadline.
 const ANSWER_RESERVE: Duration = Duration::from_millis(200);
 
+/// What a definite answer established, as the attempt records it; `None` for an answer that
+/// establishes nothing (unknown, rate limited, not sent).
+fn observation(
+    outcome: &CallOutcome,
+    identity: &RequestIdentity,
+    input_digest: &str,
+    adapter: &AdapterConfig,
+) -> Option<Observed> {
+    let (outcome, external_reference, result) = match outcome {
+        CallOutcome::Succeeded { reference, result } => (
+            Outcome::Succeeded,
+            Some(ExternalReference::parse(reference.clone()).ok()?),
+            result.clone(),
+        ),
+        CallOutcome::Rejected { status, reason } => (
+            Outcome::Failed,
+            None,
+            serde_json::json!({ "status": status, "reason": reason }),
+        ),
+        _ => return None,
+    };
+    Some(Observed {
+        request_identity: identity.clone(),
+        input_digest: InputDigest::parse(input_digest.to_owned()).ok()?,
+        adapter_version: adapter.version.clone(),
+        outcome,
+        external_reference,
+        result,
+        seen: None,
+    })
+}
+
 /// The answer to a call turned away before it took a permit (this instance full, or the
 /// adapter's limit reached): "rate limited, retry shortly", counted under `result`.
 fn turned_away(adapter: &AdapterConfig, result: &'static str) -> Response<InvokeResponse> {
@@ -284,6 +319,21 @@ impl Gateway {
         {
             tracing::error!(request_identity = %identity, "fault: crashing after the destination committed");
             std::process::abort();
+        }
+        // the answer becomes durable here, before it travels on: a worker that pauses, dies
+        // or stops waiting after this loses nothing (recovery reconciles from it)
+        if let Some(lease) = &lease
+            && let Some(observed) = observation(&outcome, &identity, &req.input_digest, adapter)
+        {
+            match self.store.observe_response(lease, &observed).await {
+                Ok(Observation::Recorded) => {}
+                Ok(Observation::Late(id)) => {
+                    tracing::warn!(observation = %id, request_identity = %identity, "the attempt's lease moved on during the call: its answer is kept as a late observation");
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, request_identity = %identity, "recording the answer failed; its worker records it with the receipt");
+                }
+            }
         }
         let (release, answer) = match outcome {
             CallOutcome::Succeeded { reference, result } => (

@@ -146,6 +146,13 @@ async fn attempt(
                     // is current, so ask again at the next tick
                     Err(StoreError::Fenced(FenceReason::StaleCheckpoint { durable, .. }))
                         if durable < version => {}
+                    // the gateway recorded the answer (*response observed*): the call is over,
+                    // and its answer is on its way here
+                    Err(StoreError::Fenced(FenceReason::StaleCheckpoint { durable, .. }))
+                        if durable > version =>
+                    {
+                        return;
+                    }
                     Err(e) => {
                         counter!(z29c_telemetry::LEASE_RENEWAL_FAILURES).increment(1);
                         tracing::info!(step = %lease.step, error = %e, "renewal refused; finishing the call, then stopping");
@@ -191,7 +198,8 @@ async fn attempt(
     }
     // the call is over: the worker takes its next step while this one's outcome is recorded
     let _recording = worker.answered().await;
-    // the answer is in memory only; it becomes durable with the receipt
+    // the gateway recorded a definite answer before replying; here it is in this worker's
+    // memory, and the receipt makes it the step's
     crash_if_armed(CrashPoint::before(Checkpoint::ResponseObserved));
     let response = match answer {
         Ok(r) => r.into_inner(),

@@ -170,6 +170,15 @@ pub enum CommitOutcome {
     Late { observation: Uuid, reason: Value },
 }
 
+/// What [`Store::observe_response`] made of an answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Observation {
+    /// On the attempt, under its lease: checkpoint *response observed*.
+    Recorded,
+    /// The lease had moved on: kept as this late observation.
+    Late(Uuid),
+}
+
 /// Why a late observation was kept instead of committed.
 fn late_reason(reason: &FenceReason) -> Value {
     serde_json::to_value(reason).unwrap_or_else(|_| json!({ "reason": reason.to_string() }))
@@ -389,6 +398,72 @@ impl Store {
             RenewalDecision::Refuse => FenceReason::AttemptDeadlineReached,
             RenewalDecision::Grant { .. } => FenceReason::Changed,
         })
+    }
+
+    /// *Response observed*, recorded by whoever saw the answer first (the gateway that made the
+    /// call) before the answer travels on: under the attempt's lease, the attempt's checkpoint
+    /// with the outcome, the external reference and the result; once the lease has moved on
+    /// (its worker paused, dead or cut off, recovery in charge), a late observation. Either
+    /// way a worker that pauses, dies or gives up waiting after this loses nothing: recovery
+    /// reconciles from what is recorded here.
+    pub async fn observe_response(
+        &self,
+        claim: &LeaseClaim,
+        observed: &Observed,
+    ) -> Result<Observation> {
+        check_observed(observed)?;
+        let mut tx = self.begin().await?;
+        let held = match fence::fence(
+            &mut tx,
+            claim,
+            FencedWrite::Advance(Checkpoint::ResponseObserved),
+        )
+        .await
+        {
+            Ok(held) => held,
+            Err(StoreError::Fenced(reason)) => {
+                drop(tx);
+                let id = self
+                    .append_late_observation(claim, observed, &late_reason(&reason))
+                    .await?;
+                return Ok(Observation::Late(id));
+            }
+            Err(e) => return Err(e),
+        };
+        check_identity(&held, observed)?;
+        sqlx::query(
+            "UPDATE attempts
+             SET checkpoint = 'response_observed', adapter_version = $3,
+                 response_observed_at = greatest(invocation_began_at, now()),
+                 observed_result = jsonb_build_object('outcome', $4::text,
+                     'external_reference', $5::text, 'result', $2::jsonb),
+                 updated_at = now()
+             WHERE id = $1",
+        )
+        .bind(claim.attempt.as_uuid())
+        .bind(&observed.result)
+        .bind(&observed.adapter_version)
+        .bind(observed.outcome.as_str())
+        .bind(
+            observed
+                .external_reference
+                .as_ref()
+                .map(ExternalReference::as_str),
+        )
+        .execute(&mut *tx)
+        .await?;
+        events::append(
+            &mut tx,
+            NewEvent::by(
+                claim,
+                held.workflow,
+                EventKind::Checkpoint,
+                checkpoint_detail(&held, Checkpoint::ResponseObserved),
+            ),
+        )
+        .await?;
+        tx.commit().await?;
+        Ok(Observation::Recorded)
     }
 
     /// Commits *response observed*, the step receipt (verification `direct`), the release of

@@ -47,7 +47,8 @@ impl Store {
     /// Commits the receipts of `batch` that may be committed in one statement, and answers
     /// `None` for the others, which wrote nothing. Each row is fenced on its own: its lease
     /// must be current by PostgreSQL's clock (the step row is locked, in step order, and
-    /// re-checked on its newest version), its attempt at *invocation began*, its workflow
+    /// re-checked on its newest version), its attempt at *invocation began* or *response
+    /// observed* (the gateway records the answer before it replies), its workflow
     /// running, its identity and input the step's, and no step may depend on it.
     pub async fn commit_receipts(
         &self,
@@ -100,7 +101,7 @@ impl Store {
                  ) s
                  WHERE (SELECT w.state FROM workflows w WHERE w.id = s.workflow_id) = 'running'
                    AND (SELECT a.checkpoint FROM attempts a WHERE a.id = s.current_attempt_id)
-                       = 'invocation_began'
+                       IN ('invocation_began', 'response_observed')
                    AND NOT EXISTS (SELECT 1 FROM step_dependencies d WHERE d.depends_on = s.id)
              ), r AS (
                  INSERT INTO step_receipts (id, step_id, workflow_id, attempt_id, lease_version,

@@ -34,7 +34,9 @@ pub struct ExpiredLease {
     pub expired_for: chrono::Duration,
 }
 
-/// A stale worker's observation, kept as evidence.
+/// An observation kept as evidence: a stale worker's (a `late_observations` row), or the
+/// answer the gateway recorded on the expired attempt (`fence_reason` `recorded_by_gateway`,
+/// `id` the attempt's).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, sqlx::FromRow)]
 pub struct LateObservation {
     pub id: Uuid,
@@ -49,6 +51,52 @@ pub struct LateObservation {
     pub observed_result: Value,
     pub fence_reason: Value,
     pub observed_at: DateTime<Utc>,
+}
+
+/// The attempt whose lease expired, as recovery found it.
+#[derive(sqlx::FromRow)]
+struct ExpiredAttempt {
+    id: Uuid,
+    checkpoint: String,
+    lease_version: i64,
+    owner: String,
+    request_identity: Option<String>,
+    input_digest: String,
+    adapter_version: Option<String>,
+    observed_result: Option<Value>,
+    response_observed_at: Option<DateTime<Utc>>,
+}
+
+impl ExpiredAttempt {
+    /// The answer recorded on the attempt at *response observed* (by the gateway, before it
+    /// replied), as an observation of the attempt, if there is one.
+    fn recorded_answer(self) -> Option<LateObservation> {
+        if self.checkpoint != Checkpoint::ResponseObserved.as_str() {
+            return None;
+        }
+        let recorded = self.observed_result?;
+        Some(LateObservation {
+            id: self.id,
+            attempt_id: self.id,
+            lease_version: self.lease_version,
+            owner: self.owner,
+            request_identity: self.request_identity?,
+            input_digest: self.input_digest,
+            adapter_version: self.adapter_version.unwrap_or_else(|| "unknown".into()),
+            external_reference: recorded
+                .get("external_reference")
+                .and_then(Value::as_str)
+                .map(str::to_owned),
+            outcome: recorded
+                .get("outcome")
+                .and_then(Value::as_str)
+                .unwrap_or("failed")
+                .to_owned(),
+            observed_result: recorded.get("result").cloned().unwrap_or(Value::Null),
+            fence_reason: json!({ "reason": "recorded_by_gateway" }),
+            observed_at: self.response_observed_at.unwrap_or_else(Utc::now),
+        })
+    }
 }
 
 /// Everything recovery reads before it decides.
@@ -244,12 +292,15 @@ impl Store {
             return Err(StoreError::Fenced(reason));
         };
         let attempt = row.current_attempt_id;
-        let checkpoint: Option<String> = match attempt {
+        let expired: Option<ExpiredAttempt> = match attempt {
             Some(a) => {
-                sqlx::query_scalar(
+                sqlx::query_as(
                     "UPDATE attempts SET state = CASE WHEN state = 'active'
                      THEN 'expired'::attempt_state ELSE state END, updated_at = now()
-                 WHERE id = $1 RETURNING checkpoint::text",
+                 WHERE id = $1
+                 RETURNING id, checkpoint::text AS checkpoint, lease_version, owner,
+                           request_identity, input_digest, adapter_version, observed_result,
+                           response_observed_at",
                 )
                 .bind(a)
                 .fetch_optional(&mut *tx)
@@ -257,6 +308,10 @@ impl Store {
             }
             None => None,
         };
+        let checkpoint = expired.as_ref().map(|e| e.checkpoint.clone());
+        // the answer the gateway recorded under this attempt's lease, before its worker went
+        // quiet: evidence as good as a late observation
+        let recorded = expired.and_then(ExpiredAttempt::recorded_answer);
         for (kind, version, who, detail) in [
             (
                 EventKind::LeaseExpired,
@@ -293,7 +348,8 @@ impl Store {
         .bind(step.as_uuid())
         .fetch_optional(&mut *tx)
         .await?;
-        let late_observations = late_observations(&mut tx, step.as_uuid()).await?;
+        let mut late_observations = late_observations(&mut tx, step.as_uuid()).await?;
+        late_observations.extend(recorded);
         // the budget, and whether an attempt before the current one may have sent: the
         // current attempt's checkpoint alone forgets an earlier request
         let (attempts_used, earlier_may_have_sent): (i64, bool) = sqlx::query_as(
