@@ -1,9 +1,9 @@
-//! The fault matrix: every fault of the attempt protocol, crossed with the adapter capabilities where the
-//! capability changes what recovery may do, each run on real processes with its own database
-//! and NATS prefix, then judged by [`crate::history`]'s checker. [`table`] prints what was
-//! proven: fault × capability → invariants held, steps completed, and whether the fault
-//! really bit (a crashed process, a late observation, a sprung trap…), so a cell cannot pass
-//! by not happening.
+//! The fault matrix: every fault of the attempt protocol, crossed with the adapter
+//! capabilities where the capability changes what recovery may do, each run on real processes
+//! with its own database and NATS prefix, then judged by [`crate::history`]'s checker.
+//! [`table`] prints what was proven: fault × capability → invariants held, steps completed,
+//! and whether the fault really bit (a crashed process, a late observation, a sprung trap…),
+//! so a cell cannot pass by not happening.
 
 use std::collections::BTreeMap;
 use std::fmt;
