@@ -3,8 +3,7 @@
 -- refused connection or no permit). Every claim makes a new current attempt, so the question
 -- is asked of all of them: an earlier attempt's request may have an effect that a later
 -- attempt's crash before its own invocation must not hide. Cancellation, releases in an ended
--- workflow, recovery's decisions and the status people see all ask it here, so the rule has
--- one home.
+-- workflow and recovery's evidence and decisions all ask it here, so the rule has one home.
 CREATE FUNCTION z29c_may_have_sent(step uuid) RETURNS boolean
 LANGUAGE sql STABLE PARALLEL SAFE
 AS $$

@@ -427,12 +427,21 @@ impl History {
                     let Some(r) = receipt else { continue };
                     let reference = r.external_reference.as_deref().unwrap_or("");
                     if r.verification == "manual" {
-                        // a person said so, having looked: the ledger must have what they named
+                        // a person said so, having looked: the ledger must have what they named,
+                        // for this step, and no second effect beside it
                         if !all_references.contains(reference) {
                             v(
                                 Invariant::A,
                                 format!(
                                     "step {}: resolved by hand as succeeded with {reference:?}, which the destination never recorded",
+                                    s.id
+                                ),
+                            );
+                        } else if !effects.contains(&reference) || effects.len() > 1 {
+                            v(
+                                Invariant::A,
+                                format!(
+                                    "step {}: resolved by hand as succeeded with {reference:?}; the destination recorded for it: {effects:?}",
                                     s.id
                                 ),
                             );
@@ -449,7 +458,8 @@ impl History {
                     }
                 }
                 // a step that ended without a receipt of success must have left no effect
-                "failed" | "cancelled" | "pending" | "ready" | "blocked"
+                // (leased and recovering steps are C's: a run ends with none)
+                "failed" | "cancelled" | "ready" | "blocked"
                     if !effects.is_empty() && !open_reviews.contains(&s.id) =>
                 {
                     v(

@@ -465,7 +465,17 @@ pub async fn run_cell(cell: Cell, switches: Switches) -> CellResult {
     let mut nats = None;
     let outcome = async {
         if cell.fault == Fault::PostgresRestart {
-            pg = Some(PrivatePostgres::start().await?);
+            // durable as a production server is: what z29c commits with relaxed durability
+            // (claims, permit releases, outbox marks) is lost in this crash as it would be in
+            // production's, and the rest must survive it
+            pg = Some(
+                PrivatePostgres::start_with(&[
+                    "fsync=on",
+                    "synchronous_commit=on",
+                    "max_connections=200",
+                ])
+                .await?,
+            );
         }
         if cell.fault == Fault::NatsChaos {
             nats = Some(PrivateNats::start().await?);
@@ -693,10 +703,13 @@ async fn drive(
                     .resume()?;
             }
             // kept as evidence by the real build; committed as a receipt by the broken one
+            // (the gateway recorded the answer before replying; what is awaited here is the
+            // worker's own commit: a late observation, or the broken build's receipt)
             run.wait_for(
                 "SELECT (SELECT count(*) FROM late_observations)
-                      + (SELECT count(*) FROM attempts
-                         WHERE number = 1 AND response_observed_at IS NOT NULL)",
+                      + (SELECT count(*) FROM step_receipts r
+                         JOIN attempts a ON a.id = r.attempt_id
+                         WHERE a.number = 1 AND r.verification = 'direct')",
                 "the paused worker's late result",
                 Duration::from_secs(20),
             )

@@ -108,7 +108,9 @@ async fn a_stale_worker_shows_one_fencing_rejection_and_one_late_observation() -
         &cluster.recovery_metrics_url,
         &[
             "z29c_lease_recoveries_total 1",
-            "z29c_step_recovery_decisions_total{category=\"invoked_queryable\",decision=\"status_query\",capability=\"queryable\"} 1",
+            // the gateway recorded the answer before it replied: recovery reconciles from
+            // that record, with no status query
+            "z29c_step_recovery_decisions_total{category=\"result_observed\",decision=\"reconcile\",capability=\"queryable\"} 1",
         ],
     )
     .await?;

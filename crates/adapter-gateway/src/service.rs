@@ -216,7 +216,11 @@ fn observation(
     Some(Observed {
         request_identity: identity.clone(),
         input_digest: InputDigest::parse(input_digest.to_owned()).ok()?,
-        adapter_version: adapter.version.clone(),
+        adapter_version: if adapter.version.is_empty() {
+            "unknown".into()
+        } else {
+            adapter.version.clone()
+        },
         outcome,
         external_reference,
         result,

@@ -25,10 +25,12 @@ pub enum Side {
 
 /// `before_<checkpoint>` or `after_<checkpoint>`, e.g. `after_invocation_began`.
 ///
-/// *Response observed* is made durable in the receipt transaction (DESIGN.md §5 step 5), so
-/// `before_response_observed` is a crash with the adapter's answer only in memory,
-/// `after_response_observed` a crash inside the receipt transaction once the attempt's
-/// response is written, and `before_receipt_committed` a crash right before its `COMMIT`.
+/// The gateway records a definite answer (*response observed*) before it replies, and the
+/// executor's receipt transaction writes it again with the receipt: `before_response_observed`
+/// is an executor crash with the answer in its memory (and, for a definite answer, in the
+/// gateway's record), `after_response_observed` a crash inside the receipt transaction once
+/// the attempt's response is written, and `before_receipt_committed` a crash right before its
+/// `COMMIT`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(try_from = "String", into = "String")]
 pub struct CrashPoint {

@@ -842,7 +842,8 @@ pub(crate) async fn finish_step(
                  (2, $20::text, $22::jsonb),
                  (3, $16::text, jsonb_build_object('receipt', r.id, 'verification', $13::text))
              ) AS v (ord, kind, detail)
-             WHERE $19 OR v.ord = 3
+             -- the gateway's record already has its response_observed event
+             WHERE ($19 AND (v.ord <> 1 OR NOT $26)) OR v.ord = 3
              ORDER BY v.ord
          ), deps AS (
              SELECT EXISTS (SELECT 1 FROM step_dependencies WHERE depends_on = $2) AS found
@@ -899,6 +900,7 @@ pub(crate) async fn finish_step(
     .bind(MessageKind::WorkflowChanged.as_str())
     .bind(json!({ "state": WorkflowState::Completed.as_str() }))
     .bind(observed.seen)
+    .bind(held.checkpoint == Some(Checkpoint::ResponseObserved))
     .fetch_one(&mut *conn)
     .await?;
     let has_dependents: bool = row.try_get("has_dependents")?;

@@ -138,6 +138,9 @@ impl Store {
                      (3, $12::text, jsonb_build_object('receipt', f.receipt_id,
                                                        'verification', 'direct'))
                  ) AS v (n, kind, detail)
+                 -- the gateway's record already has its response_observed event
+                 WHERE v.n <> 1 OR (SELECT a.checkpoint FROM attempts a WHERE a.id = f.attempt_id)
+                                   = 'invocation_began'
                  ORDER BY f.ord, v.n
              ), done AS (
                  UPDATE workflows w SET state = 'completed', ended_at = now(), updated_at = now()

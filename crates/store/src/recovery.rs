@@ -87,11 +87,8 @@ impl ExpiredAttempt {
                 .get("external_reference")
                 .and_then(Value::as_str)
                 .map(str::to_owned),
-            outcome: recorded
-                .get("outcome")
-                .and_then(Value::as_str)
-                .unwrap_or("failed")
-                .to_owned(),
+            // a record that does not say what happened is no evidence: never a failure
+            outcome: recorded.get("outcome").and_then(Value::as_str)?.to_owned(),
             observed_result: recorded.get("result").cloned().unwrap_or(Value::Null),
             fence_reason: json!({ "reason": "recorded_by_gateway" }),
             observed_at: self.response_observed_at.unwrap_or_else(Utc::now),
