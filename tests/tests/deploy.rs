@@ -1,4 +1,4 @@
-//! What a deployment relies on (issue 8): `z29c probe` as the container health check, and
+//! What a deployment relies on: `z29c probe` as the container health check, and
 //! `--dump-config` naming every setting a gateway reads.
 
 use std::process::Command;

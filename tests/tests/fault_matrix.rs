@@ -1,4 +1,4 @@
-//! The fault matrix of issue 5, in the test suite: every cell must hold every invariant, and
+//! The fault matrix, in the test suite: every cell must hold every invariant, and
 //! the checker must catch a deliberately broken build. The table is printed for the log.
 
 #![allow(clippy::print_stdout)]

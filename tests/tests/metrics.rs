@@ -1,4 +1,4 @@
-//! `/metrics` after fault scenarios: each level of DESIGN.md §8 counts what happened, and
+//! `/metrics` after fault scenarios: each level of docs/design.md §7 counts what happened, and
 //! only that — worker churn is not a result, a stale result is evidence, and a lease expiry
 //! before anything was sent is no unknown outcome.
 

@@ -1,4 +1,4 @@
-//! Each row of DESIGN.md §6, reached by a real executor process that crashes (aborts) right
+//! Each row of docs/design.md §5, reached by a real executor process that crashes (aborts) right
 //! after a durable boundary, or stalls past its lease; recovery must take exactly the decision
 //! the table gives, and the workflow must end as it should.
 
@@ -107,7 +107,7 @@ async fn workflow_state(pool: &PgPool) -> Result<String> {
 }
 
 /// The row "no request identity" is no longer reachable through the protocol: the claim
-/// creates the attempt with its identity in one transaction (DESIGN.md §5 steps 1 and 2), so
+/// creates the attempt with its identity in one transaction (docs/design.md §4 steps 1 and 2), so
 /// a crash right after the claim already finds the identity and retries with it. (The row
 /// stays in `core::recovery::classify` for attempts written by an older build.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

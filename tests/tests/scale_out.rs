@@ -1,7 +1,7 @@
-//! Scale-out (issue 8): 3 executors, 2 gateways, 2 recovery instances and a scheduler as
+//! Scale-out: 3 executors, 2 gateways, 2 recovery instances and a scheduler as
 //! separate processes, 2,000 workflows; one executor, one gateway and one recovery instance
 //! are killed and restarted during the run, and a third gateway joins. Everything completes
-//! or lands in review, DESIGN.md §1's invariants hold over the recorded history, and the
+//! or lands in review, docs/design.md §1's invariants hold over the recorded history, and the
 //! permit table shows the joining gateway raised usable capacity without exceeding the
 //! adapter's limit.
 

@@ -1,4 +1,4 @@
-//! The operator console (DESIGN.md §8): one page that shows workflows in their product states
+//! The operator console (docs/design.md §7): one page that shows workflows in their product states
 //! with live updates, each step's timeline with its lease history, attempts, checkpoints,
 //! evidence and recovery decisions under technical details, the review queue with its resolve
 //! form, and the four metric levels. It holds no state and no SQL: it reads the public gRPC

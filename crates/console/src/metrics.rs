@@ -1,4 +1,4 @@
-//! The console's small overview of the four metric levels (DESIGN.md §8): each service's
+//! The console's small overview of the four metric levels (docs/design.md §7): each service's
 //! `/metrics` scraped, summed by name across instances and labels, grouped by the level the
 //! name keeps (`z29c_lease_*`, `z29c_attempt_*`, `z29c_step_*`, `z29c_workflow*`).
 

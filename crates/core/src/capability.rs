@@ -1,5 +1,5 @@
 //! What an adapter promises about repeated and lost requests. The recovery decision after an
-//! ambiguous invocation depends on nothing else (DESIGN.md §6, §7).
+//! ambiguous invocation depends on nothing else (docs/design.md §5, §6).
 
 use crate::text_enum::text_enum;
 

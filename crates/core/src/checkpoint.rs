@@ -1,4 +1,4 @@
-//! The ordered checkpoints of one attempt (DESIGN.md §5). Each is committed durably, fenced,
+//! The ordered checkpoints of one attempt (docs/design.md §4). Each is committed durably, fenced,
 //! before the worker moves on; recovery reads the last one to know what may have happened.
 
 use crate::text_enum::text_enum;

@@ -12,7 +12,7 @@
 //! - [`capability`]: what an adapter promises (idempotent, queryable, opaque).
 //! - [`policy`]: `LeasePolicy` validated against `PlatformBounds`, and the four deadlines.
 //! - [`fence`]: the fencing rule every write under a lease must pass.
-//! - [`recovery`]: `classify()`, the recovery table of DESIGN.md §6.
+//! - [`recovery`]: `classify()`, the recovery table of docs/design.md §5.
 //! - [`projection`]: `project()`, durable state to the product states people see.
 //! - [`dag`]: validation of a submitted workflow's step graph.
 //! - [`access`]: operator roles and which actions each allows.

@@ -1,5 +1,5 @@
 //! Lease policy per step definition, the platform bounds it must sit within, and the four
-//! deadlines (DESIGN.md §5): adapter timeout (one call), attempt deadline (one worker's
+//! deadlines (docs/design.md §4): adapter timeout (one call), attempt deadline (one worker's
 //! authority), lease expiry (recovery after lost ownership), workflow deadline (usefulness of the
 //! outcome). Lengthening one never repairs another, so each is its own field.
 

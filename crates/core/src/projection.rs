@@ -1,4 +1,4 @@
-//! `project()`: durable state to the product states a person sees (DESIGN.md §8). Worker
+//! `project()`: durable state to the product states a person sees (docs/design.md §7). Worker
 //! churn never shows: a takeover changes nothing visible unless what is *known* changed.
 
 use serde::{Deserialize, Serialize};

@@ -1,4 +1,4 @@
-//! `classify()`: the recovery table of DESIGN.md §6. Lease expiry starts reasoning, never
+//! `classify()`: the recovery table of docs/design.md §5. Lease expiry starts reasoning, never
 //! repetition: the decision depends on durable evidence and the adapter's capability, and an
 //! ambiguous step is never made plainly ready.
 

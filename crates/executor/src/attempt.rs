@@ -1,4 +1,4 @@
-//! One attempt, checkpoint by checkpoint (DESIGN.md §5). Every durable step is fenced by the
+//! One attempt, checkpoint by checkpoint (docs/design.md §4). Every durable step is fenced by the
 //! store; this module decides only *what to try next*, never whether the lease still holds.
 
 use std::sync::Arc;
@@ -129,7 +129,7 @@ async fn attempt(
         return store.release_unbegun(lease).await;
     };
     // The gateway commits *invocation began* under this lease, with its permit, right before
-    // it sends (DESIGN.md §5 step 3): from then on the attempt's checkpoint version is one
+    // it sends (docs/design.md §4 step 3): from then on the attempt's checkpoint version is one
     // past the claim's.
     let version = step.checkpoint_version + 1;
 

@@ -1,5 +1,5 @@
 //! The executor: a bounded pool of workers that claim ready steps and run the attempt protocol
-//! of DESIGN.md §5 under fenced leases.
+//! of docs/design.md §4 under fenced leases.
 //!
 //! Work is found by polling PostgreSQL; JetStream `step.ready` hints only wake the pool early,
 //! so a lost message delays work and a duplicate changes nothing. The claim creates each

@@ -1,4 +1,4 @@
-//! Recovery (DESIGN.md §6): lease expiry starts reasoning, never repetition.
+//! Recovery (docs/design.md §5): lease expiry starts reasoning, never repetition.
 //!
 //! A recovery worker scans leases that expired by PostgreSQL's clock, takes a recovery lease
 //! (bumping the version, which fences the old worker out), reads the evidence — checkpoint,

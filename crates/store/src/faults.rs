@@ -1,4 +1,4 @@
-//! Deterministic fault points for the scenario harness (DESIGN.md §9). They do something only
+//! Deterministic fault points for the scenario harness (docs/design.md §4). They do something only
 //! in a build with the `faults` feature, which no release build has: `scripts/release` builds
 //! `-p z29c-cli` alone, so the feature is not unified on.
 //!

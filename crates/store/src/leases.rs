@@ -1,4 +1,4 @@
-//! The attempt protocol's writes (DESIGN.md §5): claim (which persists the request identity
+//! The attempt protocol's writes (docs/design.md §4): claim (which persists the request identity
 //! with the attempt), begin the invocation, renew, commit the receipt, or keep a stale result as
 //! a late observation.
 //! Every write after the claim is fenced (see the crate docs).
@@ -250,7 +250,7 @@ impl Store {
     /// statement: `FOR UPDATE SKIP LOCKED`, `lease_version + 1`, `expires_at = now() + lease`,
     /// a new attempt and a `lease_acquired` event per step.
     ///
-    /// The attempt is created at checkpoint *request identity persisted* (DESIGN.md §5 steps 1
+    /// The attempt is created at checkpoint *request identity persisted* (docs/design.md §4 steps 1
     /// and 2 in one transaction): the identity is the step's own, kept from an earlier attempt,
     /// or [`RequestIdentity::for_step`], which depends on nothing but the step. So no attempt
     /// ever exists without its identity, and the step saves a commit. The SQL spells

@@ -1,4 +1,4 @@
-//! Adapter concurrency permits, called by the adapter gateway alone (DESIGN.md §7). A permit
+//! Adapter concurrency permits, called by the adapter gateway alone (docs/design.md §6). A permit
 //! is separate from any step lease: it is taken just before an invocation and bounds how many
 //! calls z29c intentionally has in flight per adapter and operation class, across all gateway
 //! instances. An unknown outcome keeps its permit counting until resolution or a safety window.
@@ -169,7 +169,7 @@ impl Store {
 
     /// Commits the attempt's checkpoint *invocation began* (fenced by `claim`, exactly as
     /// [`Store::begin_invocation`]) and takes the call's permit, in one transaction, right
-    /// before the gateway sends the request (DESIGN.md §5 step 3 and §7): both name the same
+    /// before the gateway sends the request (docs/design.md §4 step 2 and §6): both name the same
     /// moment, so one `COMMIT` serves both. Either both are durable or neither is: a class at
     /// its limit ([`StoreError::PermitsExhausted`]) leaves the invocation not begun, and a
     /// refused fence ([`StoreError::Fenced`]) takes no permit. Returns the permit and the

@@ -1,4 +1,4 @@
-//! Recovery's writes (DESIGN.md §6): find expired leases by PostgreSQL time, take a recovery
+//! Recovery's writes (docs/design.md §5): find expired leases by PostgreSQL time, take a recovery
 //! lease (which bumps the version and so fences the old worker out), read the evidence, and
 //! record each decision as an append-only event together with the transition it implies.
 

@@ -1,4 +1,4 @@
-//! The fencing rules of DESIGN.md §1, pinned against real PostgreSQL. Each test is named after
+//! The fencing rules of docs/design.md §1, pinned against real PostgreSQL. Each test is named after
 //! the rule it holds; each gets a fresh database.
 
 mod common;

@@ -1,4 +1,4 @@
-//! Metric names and their exposition. Names keep their level (DESIGN.md §8) so that worker
+//! Metric names and their exposition. Names keep their level (docs/design.md §7) so that worker
 //! churn never reads as a result: `z29c_lease_*` is about who may work, `z29c_attempt_*` about
 //! one try, `z29c_step_*` about what z29c knows of an external effect, `z29c_workflow_*` about
 //! outcomes.

@@ -1,4 +1,4 @@
-//! The benchmark harness (issue 7): z29c end to end, side by side with graphile-worker and
+//! The benchmark harness: z29c end to end, side by side with graphile-worker and
 //! pg-boss ([`peers`]) and with the physical limit of the same PostgreSQL, in alternating rounds
 //! (A B A B) so all see the same machine. Figures only; nothing here asserts a time.
 //!
