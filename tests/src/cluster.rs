@@ -187,6 +187,10 @@ impl Default for Topology {
     }
 }
 
+/// The main pool of each process of a cluster on the machine's shared PostgreSQL (committer
+/// pools keep their own sizes).
+const SHARED_SERVER_POOL: u32 = 3;
+
 impl Cluster {
     /// Starts the destination, `gateways` gateways, `executors` executors and one scheduler.
     pub async fn start(gateways: usize, executors: usize, permit_limit: u32) -> Result<Self> {
@@ -246,6 +250,17 @@ impl Cluster {
         // load generators submit faster than one operator would: no per-caller rate unless a
         // test sets one (its own entry comes later and wins)
         env.insert(0, ("Z29C_SUBMISSIONS_PER_SECOND".into(), "0".into()));
+        // on the machine's shared server (100 connections as PostgreSQL ships) two clusters
+        // run side by side with the suite's other tests: each process keeps a small pool
+        if postgres_admin_url.is_none() {
+            env.insert(
+                0,
+                (
+                    "Z29C_MAX_CONNECTIONS".into(),
+                    SHARED_SERVER_POOL.to_string(),
+                ),
+            );
+        }
         let security = if secure {
             let pki = DevPki::generate(&dir.join("pki"), &["services", "operator"])?;
             let foreign = DevPki::generate(&dir.join("foreign"), &["impostor"])?;

@@ -109,6 +109,9 @@ enum Command {
         listen: std::net::SocketAddr,
         #[arg(long, env = "Z29C_DATABASE_URL")]
         database_url: String,
+        /// Connections to its database at most.
+        #[arg(long, env = "Z29C_MAX_CONNECTIONS", default_value_t = 10)]
+        max_connections: u32,
     },
     /// Run the scheduler.
     Scheduler(ServiceArgs),
@@ -235,8 +238,12 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Destination {
             listen,
             database_url,
+            max_connections,
         } => {
-            let pool = sqlx::PgPool::connect(&database_url).await?;
+            let pool = sqlx::postgres::PgPoolOptions::new()
+                .max_connections(max_connections)
+                .connect(&database_url)
+                .await?;
             let destination = z29c_destination::Destination::install(pool).await?;
             let listener = tokio::net::TcpListener::bind(listen).await?;
             tracing::info!(addr = %listener.local_addr()?, "destination listening");
