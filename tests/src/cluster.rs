@@ -115,6 +115,8 @@ pub struct Cluster {
     pub destination_db: TestDatabase,
     pub prefix: String,
     pub scheduler_url: String,
+    /// Every scheduler's URL, the first's first.
+    pub scheduler_urls: Vec<String>,
     pub destination_url: String,
     /// `ReviewService` of the first recovery instance.
     pub review_url: String,
@@ -294,6 +296,7 @@ impl Cluster {
             destination_db,
             prefix,
             scheduler_url: String::new(),
+            scheduler_urls: Vec::new(),
             destination_url: format!("http://127.0.0.1:{destination_port}"),
             review_url: String::new(),
             review_urls: Vec::new(),
@@ -333,6 +336,7 @@ impl Cluster {
         cluster.processes.push(sched);
         cluster.wait_listening(port).await?;
         cluster.scheduler_url = format!("{scheme}://127.0.0.1:{port}");
+        cluster.scheduler_urls.push(cluster.scheduler_url.clone());
         for _ in 0..executors {
             cluster.add_executor().await?;
         }
@@ -511,6 +515,40 @@ impl Cluster {
             self.recovery_metrics_url = format!("http://127.0.0.1:{metrics_port}/metrics");
         }
         Ok(())
+    }
+
+    /// Starts one more scheduler, `scheduler-N` (the first is `scheduler`), on the same
+    /// database and prefix: submissions may go to either.
+    pub async fn add_scheduler(&mut self) -> Result<()> {
+        let n = self.scheduler_urls.len() + 1;
+        let name = format!("scheduler-{n}");
+        let port = free_port()?;
+        let p = self.spawn(
+            &name,
+            &["scheduler"],
+            &[
+                ("Z29C_ID", name.clone()),
+                ("Z29C_LISTEN", format!("127.0.0.1:{port}")),
+            ],
+        )?;
+        self.processes.push(p);
+        self.wait_listening(port).await?;
+        self.scheduler_urls
+            .push(format!("{}://127.0.0.1:{port}", self.scheme()));
+        Ok(())
+    }
+
+    /// `WorkflowService` of the scheduler at `url`, as the operator.
+    pub async fn client_at(&self, url: &str) -> Result<WorkflowServiceClient<Authed>> {
+        let token = match &self.security {
+            Some(_) => Some(self.token("test-operator", z29c_core::Role::ALL)?),
+            None => None,
+        };
+        let channel = self.channel(url, &self.operator_tls()).await?;
+        Ok(WorkflowServiceClient::with_interceptor(
+            channel,
+            Bearer::new(token.as_deref())?,
+        ))
     }
 
     /// Starts the operator console on this cluster's scheduler and first recovery instance,

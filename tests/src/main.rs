@@ -180,7 +180,19 @@ async fn run(command: Command) -> Result<()> {
                 for v in &report.violations {
                     say(&format!("  violation {v}"));
                 }
-                failed |= !report.violations.is_empty();
+                for v in &report.client_history_violations {
+                    say(&format!("  client history: {v}"));
+                }
+                for e in &report.submit_errors {
+                    say(&format!("  submission refused: {e}"));
+                }
+                if report.tally.completed == 0 {
+                    say("  nothing completed");
+                }
+                failed |= !report.violations.is_empty()
+                    || !report.client_history_violations.is_empty()
+                    || !report.submit_errors.is_empty()
+                    || report.tally.completed == 0;
             }
             if failed {
                 std::process::exit(1);

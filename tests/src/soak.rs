@@ -43,6 +43,9 @@ pub struct Scheduled {
 const EXECUTORS: usize = 3;
 const GATEWAYS: usize = 2;
 const RECOVERIES: usize = 2;
+/// Schedulers, `scheduler` and `scheduler-2`: the load submits to either, and goes to the
+/// other when one does not answer.
+const SCHEDULERS: usize = 2;
 const ROUTES: [&str; 3] = ["soak-a", "soak-b", "soak-c"];
 
 /// The fault schedule for `seed` over `duration`: one fault every 1.5–5 s.
@@ -52,10 +55,11 @@ pub fn schedule(seed: u64, duration: Duration) -> Vec<Scheduled> {
     let mut out = Vec::new();
     let end = duration.as_millis() as u64;
     while at < end {
-        let process = match rng.random_range(0..10) {
+        let process = match rng.random_range(0..12) {
             0..=4 => format!("executor-{}", rng.random_range(1..=EXECUTORS)),
             5..=7 => format!("gateway-{}", rng.random_range(1..=GATEWAYS)),
-            _ => format!("recovery-{}", rng.random_range(1..=RECOVERIES)),
+            8..=9 => format!("recovery-{}", rng.random_range(1..=RECOVERIES)),
+            _ => scheduler_name(rng.random_range(1..=SCHEDULERS)),
         };
         let action = match rng.random_range(0..10) {
             0..=3 => Action::Kill {
@@ -84,7 +88,34 @@ pub fn schedule(seed: u64, duration: Duration) -> Vec<Scheduled> {
         out.push(Scheduled { at_ms: at, action });
         at += rng.random_range(1_500..5_000);
     }
+    // whatever the draw, every run kills one scheduler and pauses the other under load
+    if end > 6_000 {
+        out.push(Scheduled {
+            at_ms: end / 3,
+            action: Action::Kill {
+                process: scheduler_name(1),
+                down_ms: rng.random_range(500..3_000),
+            },
+        });
+        out.push(Scheduled {
+            at_ms: end * 2 / 3,
+            action: Action::Pause {
+                process: scheduler_name(2),
+                ms: rng.random_range(1_000..4_000),
+            },
+        });
+        out.sort_by_key(|s| s.at_ms);
+    }
     out
+}
+
+/// The `n`-th scheduler's process name (the first is `scheduler`).
+fn scheduler_name(n: usize) -> String {
+    if n == 1 {
+        "scheduler".to_owned()
+    } else {
+        format!("scheduler-{n}")
+    }
 }
 
 /// What a soak found.
@@ -93,13 +124,19 @@ pub struct SoakReport {
     pub seed: u64,
     pub duration_s: u64,
     pub workflows: usize,
-    /// Submissions the scheduler did not accept: none may fail, the scheduler is never a
-    /// fault's target here.
+    /// Submissions no scheduler accepted: none may fail, one scheduler is always up.
     pub submit_errors: Vec<String>,
+    /// Submissions that went to the other scheduler after one did not answer.
+    pub failovers: usize,
+    /// What the client was told, checked against the end state: each client key answered
+    /// with one workflow, the one the database holds for it.
+    pub client_history_violations: Vec<String>,
     /// Faults that landed (a kill of a process already down does not count).
     pub faults: usize,
     pub kills: usize,
     pub pauses: usize,
+    /// Kills and pauses of a scheduler.
+    pub scheduler_faults: usize,
     pub destination_faults: usize,
     /// Review items resolved at the end the way a person would, from the destination's records.
     pub resolved_by_a_person: usize,
@@ -157,8 +194,12 @@ async fn soak_on(
         ..Topology::default()
     })
     .await?;
+    for _ in 1..SCHEDULERS {
+        cluster.add_scheduler().await?;
+    }
     let pool = cluster.db.pool(3).await?;
-    let mut client = cluster.client().await?;
+    let mut submitter = Submitter::new(&cluster);
+    let mut told: Vec<(String, String)> = Vec::new();
     let started = Instant::now();
     let mut ids = Vec::new();
     let mut next = 0usize;
@@ -180,9 +221,12 @@ async fn soak_on(
                 s.adapter = format!("http-{}", AdapterCapability::ALL[n % 3]);
                 s.policy = Some(policy());
             }
-            match client.submit(req).await {
-                Ok(r) => ids.push(r.into_inner().workflow.context("no workflow")?.id),
-                Err(status) => submit_errors.push(format!("soak-{n}: {status}")),
+            match submitter.submit(&cluster, req).await {
+                Ok(id) => {
+                    told.push((format!("soak-{n}"), id.clone()));
+                    ids.push(id);
+                }
+                Err(e) => submit_errors.push(format!("soak-{n}: {e:#}")),
             }
         }
         let now = started.elapsed().as_millis() as u64;
@@ -285,16 +329,25 @@ async fn soak_on(
         }
         progress(format!("history and logs kept in {}", keep.display()));
     }
+    let client_history_violations = check_client_history(&pool, &told).await?;
     let count = |f: fn(&Action) -> bool| landed.iter().filter(|a| f(a)).count();
     let report = SoakReport {
         seed,
         duration_s: duration.as_secs(),
         workflows: ids.len(),
         submit_errors,
+        failovers: submitter.failovers,
+        client_history_violations,
         resolved_by_a_person,
         faults: landed.len(),
         kills: count(|a| matches!(a, Action::Kill { .. })),
         pauses: count(|a| matches!(a, Action::Pause { .. })),
+        scheduler_faults: count(|a| match a {
+            Action::Kill { process, .. } | Action::Pause { process, .. } => {
+                process.starts_with("scheduler")
+            }
+            Action::Destination { .. } => false,
+        }),
         destination_faults: count(|a| matches!(a, Action::Destination { .. })),
         tally: history.tally(),
         violations,
@@ -309,7 +362,110 @@ fn all_processes() -> Vec<String> {
         .map(|i| format!("executor-{i}"))
         .chain((1..=GATEWAYS).map(|i| format!("gateway-{i}")))
         .chain((1..=RECOVERIES).map(|i| format!("recovery-{i}")))
+        .chain((1..=SCHEDULERS).map(scheduler_name))
         .collect()
+}
+
+/// How long a submission waits for a scheduler before it goes to the other (a paused one
+/// never answers).
+const SUBMIT_PATIENCE: Duration = Duration::from_secs(3);
+
+/// Submits round-robin over the schedulers; one that does not answer is skipped and the same
+/// submission, with the same client key, goes to the next. A scheduler that received it
+/// before it stopped answering may commit it later: the client key makes that the same
+/// workflow, which [`check_client_history`] verifies.
+struct Submitter {
+    clients: Vec<
+        Option<
+            z29c_proto::v1::workflow_service_client::WorkflowServiceClient<z29c_security::Authed>,
+        >,
+    >,
+    next: usize,
+    failovers: usize,
+}
+
+impl Submitter {
+    fn new(cluster: &Cluster) -> Self {
+        Self {
+            clients: vec![None; cluster.scheduler_urls.len()],
+            next: 0,
+            failovers: 0,
+        }
+    }
+
+    async fn submit(&mut self, cluster: &Cluster, req: pb::SubmitRequest) -> Result<String> {
+        let n = self.clients.len();
+        let first = self.next;
+        self.next = (self.next + 1) % n;
+        let mut last = None;
+        for i in (0..n).map(|k| (first + k) % n) {
+            if i != first {
+                self.failovers += 1;
+            }
+            let url = &cluster.scheduler_urls[i];
+            let client = match &mut self.clients[i] {
+                Some(c) => c,
+                slot => match tokio::time::timeout(SUBMIT_PATIENCE, cluster.client_at(url)).await {
+                    Ok(Ok(c)) => slot.insert(c),
+                    Ok(Err(e)) => {
+                        last = Some(e.context(format!("connecting to {url}")));
+                        continue;
+                    }
+                    Err(_) => {
+                        last = Some(anyhow::anyhow!("{url} did not accept a connection"));
+                        continue;
+                    }
+                },
+            };
+            match tokio::time::timeout(SUBMIT_PATIENCE, client.submit(req.clone())).await {
+                Ok(Ok(r)) => return Ok(r.into_inner().workflow.context("no workflow")?.id),
+                // a refusal of the submission itself is an answer: no other scheduler will
+                // think otherwise
+                Ok(Err(status)) if status.code() == tonic::Code::InvalidArgument => {
+                    anyhow::bail!("{url}: {status}")
+                }
+                Ok(Err(status)) => last = Some(anyhow::anyhow!("{url}: {status}")),
+                Err(_) => {
+                    last = Some(anyhow::anyhow!(
+                        "{url} did not answer within {SUBMIT_PATIENCE:?}"
+                    ))
+                }
+            }
+            // reconnect next time: the process may have been restarted
+            self.clients[i] = None;
+        }
+        Err(last.unwrap_or_else(|| anyhow::anyhow!("no scheduler")))
+    }
+}
+
+/// What the client was told against what the database holds: one workflow per client key,
+/// the one each answer named.
+async fn check_client_history(
+    pool: &sqlx::PgPool,
+    told: &[(String, String)],
+) -> Result<Vec<String>> {
+    let held: Vec<(String, String)> =
+        sqlx::query_as("SELECT client_key, id::text FROM workflows ORDER BY client_key")
+            .fetch_all(pool)
+            .await?;
+    let mut by_key: std::collections::BTreeMap<&str, Vec<&str>> = Default::default();
+    for (key, id) in &held {
+        by_key.entry(key).or_default().push(id);
+    }
+    let mut out = Vec::new();
+    for (key, ids) in &by_key {
+        if ids.len() > 1 {
+            out.push(format!("{key}: {} workflows for one client key", ids.len()));
+        }
+    }
+    for (key, id) in told {
+        match by_key.get(key.as_str()) {
+            Some(ids) if ids.contains(&id.as_str()) => {}
+            Some(ids) => out.push(format!("{key}: told {id}, the database holds {ids:?}")),
+            None => out.push(format!("{key}: told {id}, the database holds no workflow")),
+        }
+    }
+    Ok(out)
 }
 
 enum Heal {
@@ -357,15 +513,17 @@ async fn heal(cluster: &mut Cluster, h: Heal) -> Result<()> {
 impl SoakReport {
     pub fn summary(&self) -> String {
         format!(
-            "seed {} · {} s · {} workflows ({} steps, {} submissions refused): {} completed, \
+            "seed {} · {} s · {} workflows ({} steps, {} submissions refused, {} sent to the \
+             other scheduler): {} completed, \
              {} failed, {} in review ({} resolved from the destination's records) · \
-             {} faults landed ({} kills, {} pauses, {} destination faults) · {} recoveries, {} late \
-             observations, {} external effects · violations: {}",
+             {} faults landed ({} kills, {} pauses, {} of a scheduler, {} destination faults) · \
+             {} recoveries, {} late observations, {} external effects · violations: {}",
             self.seed,
             self.duration_s,
             self.workflows,
             self.tally.steps,
             self.submit_errors.len(),
+            self.failovers,
             self.tally.completed,
             self.tally.failed,
             self.tally.in_review,
@@ -373,11 +531,12 @@ impl SoakReport {
             self.faults,
             self.kills,
             self.pauses,
+            self.scheduler_faults,
             self.destination_faults,
             self.tally.recoveries,
             self.tally.late_observations,
             self.tally.effects,
-            self.violations.len()
+            self.violations.len() + self.client_history_violations.len()
         )
     }
 }

@@ -1,5 +1,5 @@
 //! Bad input at every surface of a secure cluster, as real processes: each gets the answer
-//! README's "Security" section states, and changes no state. Malformed protobuf and invalid
+//! docs/operations.md ("Security") states, and changes no state. Malformed protobuf and invalid
 //! UTF-8 are sent as raw bytes, as a hostile client would.
 
 use std::time::{Duration, Instant};

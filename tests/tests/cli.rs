@@ -152,11 +152,16 @@ async fn a_workflow_waiting_for_a_person_exits_3() -> Result<()> {
     assert_eq!(items[0]["step_name"], "a");
     assert_eq!(items[0]["workflow_label"], "Delivery status needs review");
     assert_eq!(items[0]["attempts_made"], 1);
+    let evidence = items[0]["evidence"].as_array().cloned().unwrap_or_default();
     assert!(
-        items[0]["decisions"]
-            .as_array()
-            .is_some_and(|d| d.iter().any(|e| e["kind"] == "recovery_decision")),
+        evidence.iter().any(|e| e["kind"] == "recovery_decision"),
         "the recovery decision is shown: {items}"
+    );
+    assert!(
+        evidence
+            .iter()
+            .any(|e| e["kind"] == "attempt" && e["may_have_sent"] == true),
+        "the attempt that may have sent is shown: {items}"
     );
     // the same, for a person: the item, its workflow's state, the decision behind it
     let out = tokio::process::Command::new(z29c_binary()?)
@@ -169,8 +174,9 @@ async fn a_workflow_waiting_for_a_person_exits_3() -> Result<()> {
     assert_eq!(out.status.code(), Some(0), "{out:?}");
     for want in [
         "Delivery status needs review",
-        "decision:",
-        "recovery_decision",
+        "recovery (recovery-1): human_review",
+        "attempt 1 by executor-1",
+        "may have been sent",
         "attempts 1",
     ] {
         assert!(text.contains(want), "review list lacks {want:?}:\n{text}");

@@ -482,3 +482,159 @@ async fn an_answer_whose_worker_is_stopped_is_recorded_by_the_gateway() -> Resul
     }
     Ok(())
 }
+
+/// A queryable destination still processing the first request (4 s) when the executor that
+/// sent it is killed. Recovery's status query hears "still being processed" (`202`), which is
+/// not a "no": it asks again each time its recovery lease expires, and completes the step from
+/// the answer once the effect is committed. Read as "no such request", it would send the
+/// request a second time, and a queryable route never de-duplicates.
+async fn queried_while_in_progress(broken: Option<Break>) -> Result<Ended> {
+    let mut cluster = start(
+        Topology {
+            recoveries: 0,
+            capability: "queryable",
+            ..Topology::default()
+        },
+        broken,
+    )
+    .await?;
+    let ledger = cluster.ledger_pool().await?;
+    cluster
+        .set_faults("charge", json!({ "delay_ms": 4_000 }))
+        .await?;
+    let mut req = chain("in-progress", "charge", 1);
+    req.steps[0].policy = Some(policy(4));
+    let id = submit(&cluster, req).await?;
+    wait_for(
+        &ledger,
+        "SELECT count(*) FROM destination.requests",
+        "the first request",
+        Duration::from_secs(20),
+    )
+    .await?;
+    // only the first request is slow
+    cluster.set_faults("charge", json!({})).await?;
+    cluster
+        .process("executor-1")
+        .context("executor-1")?
+        .kill()
+        .await?;
+    cluster.add_executor().await?;
+    cluster
+        .add_recovery_with(&[("Z29C_RECOVERY_LEASE_MS", "1500")])
+        .await?;
+    // the first request's effect commits whatever z29c decided meanwhile
+    wait_for(
+        &ledger,
+        "SELECT count(*) FROM destination.ledger
+         WHERE request_id = (SELECT min(id) FROM destination.requests)",
+        "the first request's effect",
+        Duration::from_secs(20),
+    )
+    .await?;
+    ledger.close().await;
+    judge(cluster, &id, AdapterCapability::Queryable, 1).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_still_in_progress_is_asked_about_again_never_sent_again() -> Result<()> {
+    let ended = queried_while_in_progress(None).await?;
+    assert_eq!(ended.before_review, pb::ProductState::Completed);
+    assert!(ended.violations.is_empty(), "{:#?}", ended.violations);
+    let pool = ended.cluster.db.pool(2).await?;
+    let (unanswered, verification): (i64, String) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM recovery_decisions WHERE decision = 'status_query'),
+                (SELECT verification::text FROM step_receipts)",
+    )
+    .fetch_one(&pool)
+    .await?;
+    assert!(
+        unanswered >= 2,
+        "the first status query came while the request was in progress: {unanswered} queries"
+    );
+    assert_eq!(verification, "status_query");
+    let ledger = ended.cluster.ledger_pool().await?;
+    let requests = count(
+        &ledger,
+        "SELECT count(*) FROM destination.requests WHERE refused IS NULL",
+    )
+    .await?;
+    assert_eq!(requests, 1, "the request reached the destination once");
+    pool.close().await;
+    ledger.close().await;
+    ended.cluster.stop().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_checker_catches_a_build_that_takes_in_progress_for_never_received() -> Result<()> {
+    let ended = queried_while_in_progress(Some(Break::InProgressAsNotFound)).await?;
+    assert!(ended.broke(Invariant::A), "{:#?}", ended.violations);
+    ended.cluster.stop().await
+}
+
+/// An opaque call whose answer is lost: recovery cannot ask, so the step goes to review, and
+/// the review item shows everything z29c holds for a person to decide from: the attempt that
+/// may have sent (with its request identity, which the destination's records name) and
+/// recovery's decision with its reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_review_item_shows_every_attempt_and_decision_z29c_holds() -> Result<()> {
+    let cluster = start(
+        Topology {
+            recoveries: 1,
+            capability: "opaque",
+            ..Topology::default()
+        },
+        None,
+    )
+    .await?;
+    let pool = cluster.db.pool(2).await?;
+    cluster
+        .set_faults("charge", json!({ "drop_response": true }))
+        .await?;
+    let mut req = chain("evidence", "charge", 1);
+    req.steps[0].policy = Some(policy(4));
+    let id = submit(&cluster, req).await?;
+    wait_for(
+        &pool,
+        "SELECT count(*) FROM review_items",
+        "the review item",
+        Duration::from_secs(30),
+    )
+    .await?;
+    cluster.set_faults("charge", json!({})).await?;
+    let items = cluster
+        .reviews(None)
+        .await?
+        .list(pb::ListReviewsRequest::default())
+        .await?
+        .into_inner()
+        .items;
+    assert_eq!(items.len(), 1, "the opaque step is in review");
+    let item = &items[0];
+    let evidence = &item.evidence;
+    let sent: Vec<_> = evidence
+        .iter()
+        .filter(|e| e.kind == "attempt" && e.may_have_sent)
+        .collect();
+    assert_eq!(sent.len(), 1, "one attempt may have sent: {evidence:#?}");
+    assert_eq!(sent[0].attempt, 1);
+    assert_eq!(sent[0].request_identity, item.request_identity);
+    assert!(
+        evidence.iter().any(|e| e.kind == "recovery_decision"
+            && e.summary.contains("human_review")
+            && e.summary.contains("cannot say")),
+        "recovery's decision and its reason: {evidence:#?}"
+    );
+    // oldest first
+    let times: Vec<_> = evidence
+        .iter()
+        .map(|e| e.at.as_ref().map(|t| (t.seconds, t.nanos)))
+        .collect();
+    assert!(times.windows(2).all(|w| w[0] <= w[1]), "{times:?}");
+    pool.close().await;
+    let ended = judge(cluster, &id, AdapterCapability::Opaque, 1).await?;
+    assert_eq!(ended.before_review, pb::ProductState::NeedsReview);
+    assert_eq!(ended.after_review, pb::ProductState::Completed);
+    assert!(ended.violations.is_empty(), "{:#?}", ended.violations);
+    ended.cluster.stop().await
+}

@@ -1,5 +1,6 @@
 //! A short randomized soak in the suite (the long ones run from the `z29c-scenarios` binary):
-//! random kills, pauses and destination faults over a mixed load, then the invariants.
+//! random kills, pauses and destination faults over a mixed load (a scheduler of the two among
+//! the processes), then the invariants and what the client was told.
 
 #![allow(clippy::print_stdout)]
 
@@ -26,6 +27,16 @@ async fn a_short_seeded_soak_finds_no_violation() -> Result<()> {
         report.submit_errors.is_empty(),
         "submissions refused: {:?}",
         report.submit_errors
+    );
+    assert!(
+        report.scheduler_faults >= 2,
+        "a scheduler was neither killed nor paused: {}",
+        report.scheduler_faults
+    );
+    assert!(
+        report.client_history_violations.is_empty(),
+        "what the client was told: {:#?}",
+        report.client_history_violations
     );
     assert!(report.tally.completed > 0, "nothing completed");
     assert!(

@@ -170,6 +170,16 @@ pub async fn query(
     };
     match resp.status().as_u16() {
         404 => QueryOutcome::NotFound,
+        // the broken build that takes "still being processed" for "never received"
+        202 | 409
+            if z29c_store::faults::broken(z29c_store::faults::Break::InProgressAsNotFound) =>
+        {
+            QueryOutcome::NotFound
+        }
+        // received and still being processed: not an answer yet, and not a "no"
+        202 | 409 => QueryOutcome::Unknown {
+            reason: "the destination is still processing the request".into(),
+        },
         200 => match read_bounded(resp)
             .await
             .and_then(|t| serde_json::from_str::<Value>(&t).map_err(|e| e.to_string()))

@@ -433,17 +433,13 @@ fn print_review(r: &z29c_console::view::ReviewView) {
         r.step_name, r.adapter, r.operation, r.request_identity, r.attempts_made
     );
     println!("  reason: {}", r.reason);
-    for (title, events) in [("evidence", &r.evidence), ("decision", &r.decisions)] {
-        for e in events {
-            println!(
-                "  {title}: {} {} lease v{} {}  {}",
-                at(&e.at),
-                e.kind,
-                e.lease_version,
-                e.owner,
-                e.detail
-            );
-        }
+    for e in &r.evidence {
+        let reference = if e.external_reference.is_empty() {
+            String::new()
+        } else {
+            format!("  reference {}", e.external_reference)
+        };
+        println!("  {} {}{reference}", at(&e.at), e.summary);
     }
 }
 

@@ -318,7 +318,7 @@ async fn workflow(
 }
 
 /// The review items (open ones, or all with `include_resolved`), each with its workflow's
-/// state and its step's evidence and decisions: what the console's queue and `z29c review`
+/// state and everything z29c holds about its step: what the console's queue and `z29c review`
 /// both show.
 pub async fn review_queue(
     workflows: &mut WorkflowServiceClient<Authed>,

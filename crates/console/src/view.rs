@@ -119,8 +119,21 @@ pub struct ReviewView {
     pub operation: String,
     pub request_identity: String,
     pub attempts_made: u32,
-    pub evidence: Vec<EventView>,
-    pub decisions: Vec<EventView>,
+    /// Everything z29c holds about the step, oldest first: every attempt (whether it may have
+    /// sent, the answer recorded on it), every late observation, every recovery decision.
+    pub evidence: Vec<EvidenceView>,
+}
+
+/// One piece of a review item's evidence.
+#[derive(Debug, Clone, Serialize)]
+pub struct EvidenceView {
+    pub at: Option<DateTime<Utc>>,
+    pub kind: String,
+    pub attempt: u32,
+    pub may_have_sent: bool,
+    pub outcome: String,
+    pub external_reference: String,
+    pub summary: String,
 }
 
 pub fn time(t: Option<&prost_types::Timestamp>) -> Option<DateTime<Utc>> {
@@ -283,16 +296,23 @@ pub fn review(item: &pb::ReviewItem, w: Option<&pb::Workflow>) -> ReviewView {
     let step = w
         .and_then(|w| w.steps.iter().find(|s| s.id == item.step_id))
         .map(|s| step(s, created));
-    let (adapter, operation, attempts_made, evidence, decisions) = match step {
-        Some(s) => (
-            s.adapter,
-            s.operation,
-            s.technical.attempts_made,
-            s.technical.evidence,
-            s.technical.decisions,
-        ),
+    let (adapter, operation, attempts_made) = match step {
+        Some(s) => (s.adapter, s.operation, s.technical.attempts_made),
         None => Default::default(),
     };
+    let evidence = item
+        .evidence
+        .iter()
+        .map(|e| EvidenceView {
+            at: time(e.at.as_ref()),
+            kind: e.kind.clone(),
+            attempt: e.attempt,
+            may_have_sent: e.may_have_sent,
+            outcome: e.outcome.clone(),
+            external_reference: e.external_reference.clone(),
+            summary: e.summary.clone(),
+        })
+        .collect();
     ReviewView {
         id: item.id.clone(),
         version: item.version,
@@ -309,7 +329,6 @@ pub fn review(item: &pb::ReviewItem, w: Option<&pb::Workflow>) -> ReviewView {
         request_identity: item.request_identity.clone(),
         attempts_made,
         evidence,
-        decisions,
     }
 }
 

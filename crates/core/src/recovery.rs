@@ -81,6 +81,23 @@ impl RecoveryDecision {
     }
 }
 
+/// Status queries that bring no answer (the request still in progress at the destination, a
+/// timeout, an error) a step is given before a person is asked. Recovery asks each time its
+/// recovery lease on the step expires, so the destination has a lease's length between two.
+pub const UNANSWERED_QUERIES_BEFORE_REVIEW: usize = 5;
+
+/// What follows the `asked`-th status query of a step when it brought no answer: `None` asks
+/// again when the recovery lease expires; after [`UNANSWERED_QUERIES_BEFORE_REVIEW`], a person
+/// decides. Never a retry, never a failure: a request still in progress would be sent twice,
+/// and its effect may yet commit.
+pub const fn after_unanswered_query(asked: usize) -> Option<RecoveryDecision> {
+    if asked >= UNANSWERED_QUERIES_BEFORE_REVIEW {
+        Some(RecoveryDecision::HumanReview)
+    } else {
+        None
+    }
+}
+
 /// Classifies durable evidence into a row of the recovery table and its decision.
 ///
 /// The order of the checks is the point: a receipt outranks everything, an observed result
@@ -125,6 +142,18 @@ pub fn classify(e: &Evidence) -> (RecoveryCategory, RecoveryDecision) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_unanswered_query_is_asked_again_then_goes_to_a_person_never_to_a_retry() {
+        for asked in 0..UNANSWERED_QUERIES_BEFORE_REVIEW {
+            assert_eq!(after_unanswered_query(asked), None, "{asked}");
+        }
+        for asked in UNANSWERED_QUERIES_BEFORE_REVIEW..UNANSWERED_QUERIES_BEFORE_REVIEW * 3 {
+            let next = after_unanswered_query(asked);
+            assert_eq!(next, Some(RecoveryDecision::HumanReview), "{asked}");
+            assert!(!next.is_some_and(RecoveryDecision::may_send_again));
+        }
+    }
 
     fn all_evidence() -> Vec<Evidence> {
         let mut out = Vec::new();

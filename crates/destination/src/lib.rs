@@ -17,8 +17,10 @@
 //!   when the key was seen with the same body, `422` when it was seen with a different body,
 //!   and, with the `conflict_in_flight` switch, `409` while a request with the same key is
 //!   still being processed (the IETF Idempotency-Key draft's answer, and Stripe's).
-//! - `GET /v1/requests/{key}`: the status of a key (`200`, `404`), or `501` where the route
-//!   answers no status queries.
+//! - `GET /v1/requests/{key}`: the status of a key: `200` with its effect, `202` while a request
+//!   with that key is still being processed (a status endpoint that answers for every request
+//!   it received, as a queryable API must), `404` when none was received, or `501` where the
+//!   route answers no status queries.
 //! - `PUT /admin/faults/{route}`: switch faults for a route (delay, commit then drop the
 //!   response, 429 with `Retry-After`, 5xx, idempotency off, query off, 409 in flight); a
 //!   request's `X-Destination-Faults` header (the same JSON) overrides its route's for that
@@ -116,6 +118,8 @@ pub struct Destination {
     faults: Arc<RwLock<HashMap<String, Faults>>>,
     /// Keys whose request is being processed, for `conflict_in_flight`.
     in_flight: Arc<Mutex<HashSet<String>>>,
+    /// Requests being processed, by mode and key: a status query about one answers `202`.
+    processing: Arc<Mutex<HashMap<(Mode, String), usize>>>,
 }
 
 /// One effect, as the ledger keeps it.
@@ -199,6 +203,7 @@ impl Destination {
             pool,
             faults: Arc::default(),
             in_flight: Arc::default(),
+            processing: Arc::default(),
         })
     }
 
@@ -282,6 +287,47 @@ impl InFlight {
 impl Drop for InFlight {
     fn drop(&mut self) {
         self.end();
+    }
+}
+
+/// Counts a keyed request as being processed until its effect is committed or its processing
+/// ends otherwise (its caller may go away mid-request).
+struct Processing {
+    requests: Arc<Mutex<HashMap<(Mode, String), usize>>>,
+    entry: (Mode, String),
+}
+
+impl Processing {
+    fn start(d: &Destination, mode: Mode, key: &str) -> Self {
+        let entry = (mode, key.to_owned());
+        *d.processing
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(entry.clone())
+            .or_default() += 1;
+        Self {
+            requests: d.processing.clone(),
+            entry,
+        }
+    }
+
+    fn is_processing(d: &Destination, mode: Mode, key: &str) -> bool {
+        d.processing
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains_key(&(mode, key.to_owned()))
+    }
+}
+
+impl Drop for Processing {
+    fn drop(&mut self) {
+        let mut requests = self.requests.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = requests.get_mut(&self.entry) {
+            *n -= 1;
+            if *n == 0 {
+                requests.remove(&self.entry);
+            }
+        }
     }
 }
 
@@ -400,6 +446,10 @@ async fn process(
             Err(e) => return error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
         }
     };
+    let processing = match (&key, refused) {
+        (Some(key), None) => Some(Processing::start(&d, mode, key)),
+        _ => None,
+    };
     if refused == Some("in_flight") {
         return error(
             StatusCode::CONFLICT,
@@ -440,8 +490,10 @@ async fn process(
         },
     )
     .await;
-    // processed: a same-key request now replays the effect instead of meeting a conflict
+    // processed: a same-key request now replays the effect instead of meeting a conflict, and
+    // a status query finds the effect
     in_flight.end();
+    drop(processing);
     let (status, reference) = match result {
         Ok(Committed::New(r)) => (StatusCode::CREATED, r),
         Ok(Committed::Replayed(r)) => (StatusCode::OK, r),
@@ -619,6 +671,9 @@ async fn answer_status(d: Destination, mode: Mode, key: String) -> Response {
     .fetch_all(&d.pool)
     .await;
     match found {
+        Ok(refs) if refs.is_empty() && Processing::is_processing(&d, mode, &key) => {
+            (StatusCode::ACCEPTED, Json(json!({ "state": "processing" }))).into_response()
+        }
         Ok(refs) if refs.is_empty() => error(StatusCode::NOT_FOUND, "no request with that key"),
         Ok(refs) => Json(json!({ "reference": refs[0], "references": refs })).into_response(),
         Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),

@@ -38,6 +38,20 @@ fn to_wire(i: ReviewItem) -> pb::ReviewItem {
         state: i.state,
         version: i.version,
         created_at: Some(prost_types_timestamp(i.created_at)),
+        evidence: i
+            .evidence
+            .into_iter()
+            .map(|e| pb::ReviewEvidence {
+                at: Some(prost_types_timestamp(e.at)),
+                kind: e.kind,
+                attempt: e.attempt.map_or(0, |n| n.max(0) as u32),
+                request_identity: e.request_identity.unwrap_or_default(),
+                may_have_sent: e.may_have_sent.unwrap_or(false),
+                outcome: e.outcome.unwrap_or_default(),
+                external_reference: e.external_reference.unwrap_or_default(),
+                summary: e.summary,
+            })
+            .collect(),
     }
 }
 

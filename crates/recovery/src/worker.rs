@@ -150,13 +150,32 @@ async fn decide_on(
                     .await?;
                 }
                 other => {
-                    let reason = format!("status query gave no answer: {other:?}");
-                    decide(
-                        ctx,
-                        lease,
-                        &record(RecoveryDecision::HumanReview, json!({ "reason": reason })),
-                    )
-                    .await?;
+                    // still being processed, or no answer at all: a retry could send the
+                    // request twice, so ask again when this recovery lease expires
+                    let reason = match other {
+                        Ok(Some(query_response::Status::Unknown(u))) => u.reason,
+                        Ok(_) => "an empty answer".to_owned(),
+                        Err(status) => status.to_string(),
+                    };
+                    let asked = ctx
+                        .store
+                        .recovery_decisions(lease.step)
+                        .await?
+                        .iter()
+                        .filter(|d| d.decision == RecoveryDecision::StatusQuery.as_str())
+                        .count();
+                    match z29c_core::recovery::after_unanswered_query(asked) {
+                        None => tracing::info!(
+                            step = %lease.step, asked, %reason,
+                            "status query gave no answer; asking again when the recovery lease expires"
+                        ),
+                        Some(next) => {
+                            let reason = format!(
+                                "{asked} status queries gave no answer, the last: {reason}"
+                            );
+                            decide(ctx, lease, &record(next, json!({ "reason": reason }))).await?;
+                        }
+                    }
                 }
             }
         }

@@ -127,14 +127,18 @@ pub enum Break {
     OpaqueRetried,
     /// A `409` for a request still in flight is read as a refusal.
     ConflictRefused,
+    /// A status query's "still being processed" is read as "no such request", which recovery
+    /// answers with a retry.
+    InProgressAsNotFound,
 }
 
 impl Break {
-    pub const ALL: [Break; 4] = [
+    pub const ALL: [Break; 5] = [
         Break::CurrentAttemptOnly,
         Break::NewIdentityPerRetry,
         Break::OpaqueRetried,
         Break::ConflictRefused,
+        Break::InProgressAsNotFound,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -143,6 +147,7 @@ impl Break {
             Break::NewIdentityPerRetry => "new_identity_per_retry",
             Break::OpaqueRetried => "opaque_retried",
             Break::ConflictRefused => "conflict_refused",
+            Break::InProgressAsNotFound => "in_progress_as_not_found",
         }
     }
 }

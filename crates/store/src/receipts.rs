@@ -1,5 +1,5 @@
 //! Receipts of many attempts in one statement: the executor's receipt batching (on unless
-//! its `receipt_batch` is 1; the README's Performance section has what it bought).
+//! its `receipt_batch` is 1; docs/performance.md has what it bought).
 //!
 //! The common receipt — a success, the attempt's own answer, under a lease that is current, on
 //! a step nothing waits for, in a running workflow — can be one statement with no `BEGIN` or

@@ -29,6 +29,29 @@ pub struct ReviewItem {
     pub state: String,
     pub version: i64,
     pub created_at: DateTime<Utc>,
+    /// Everything z29c holds about the step, oldest first: what a person decides from.
+    #[sqlx(skip)]
+    pub evidence: Vec<ReviewEvidence>,
+}
+
+/// One piece of what z29c holds about a step: an attempt (with whether it may have sent its
+/// request and the answer recorded on it), a late observation, or a recovery decision.
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+pub struct ReviewEvidence {
+    #[serde(skip)]
+    pub step_id: Uuid,
+    pub at: DateTime<Utc>,
+    /// `attempt`, `late_observation` or `recovery_decision`.
+    pub kind: String,
+    /// The attempt's number (the attempt a late observation or a decision concerns).
+    pub attempt: Option<i32>,
+    pub request_identity: Option<String>,
+    /// Whether the attempt may have sent its request (attempts only).
+    pub may_have_sent: Option<bool>,
+    pub outcome: Option<String>,
+    pub external_reference: Option<String>,
+    /// What it says, in words.
+    pub summary: String,
 }
 
 /// The counts behind the step- and workflow-level gauges (see [`Store::knowledge`]).
@@ -91,7 +114,7 @@ impl Store {
         include_resolved: bool,
         limit: i64,
     ) -> Result<Vec<ReviewItem>> {
-        Ok(sqlx::query_as(
+        let items = sqlx::query_as(
             "SELECT r.id, r.workflow_id, r.step_id, s.name AS step_name, r.request_identity,
                     r.reason, r.state, r.version, r.created_at
              FROM review_items r JOIN steps s ON s.id = r.step_id
@@ -101,11 +124,12 @@ impl Store {
         .bind(include_resolved)
         .bind(limit)
         .fetch_all(&self.pool)
-        .await?)
+        .await?;
+        self.with_evidence(items).await
     }
 
     pub async fn review_item(&self, id: Uuid) -> Result<ReviewItem> {
-        sqlx::query_as(
+        let item: ReviewItem = sqlx::query_as(
             "SELECT r.id, r.workflow_id, r.step_id, s.name AS step_name, r.request_identity,
                     r.reason, r.state, r.version, r.created_at
              FROM review_items r JOIN steps s ON s.id = r.step_id WHERE r.id = $1",
@@ -115,7 +139,58 @@ impl Store {
         .await?
         .ok_or(StoreError::NotFound {
             what: "review item",
-        })
+        })?;
+        let mut items = self.with_evidence(vec![item]).await?;
+        Ok(items.remove(0))
+    }
+
+    /// Fills each item's evidence: every attempt of its step, every late observation and
+    /// every recovery decision, in one statement for the page.
+    async fn with_evidence(&self, mut items: Vec<ReviewItem>) -> Result<Vec<ReviewItem>> {
+        let steps: Vec<Uuid> = items.iter().map(|i| i.step_id).collect();
+        let evidence: Vec<ReviewEvidence> = sqlx::query_as(
+            "SELECT a.step_id, a.created_at AS at, 'attempt' AS kind, a.number AS attempt,
+                    a.request_identity,
+                    z29c_attempt_may_have_sent(a.checkpoint, a.state) AS may_have_sent,
+                    a.observed_result->>'outcome' AS outcome,
+                    a.observed_result->>'external_reference' AS external_reference,
+                    format('attempt %s by %s, %s at %s: %s', a.number, a.owner, a.state,
+                        a.checkpoint,
+                        CASE WHEN a.observed_result IS NOT NULL
+                                 THEN 'the answer was recorded'
+                             WHEN z29c_attempt_may_have_sent(a.checkpoint, a.state)
+                                 THEN 'its request may have been sent; no answer recorded'
+                             WHEN a.checkpoint >= 'invocation_began'
+                                 THEN 'told its request was not performed'
+                             ELSE 'sent nothing' END) AS summary
+             FROM attempts a WHERE a.step_id = ANY($1)
+             UNION ALL
+             SELECT l.step_id, l.observed_at, 'late_observation', a.number, l.request_identity,
+                    NULL, l.outcome::text, l.external_reference,
+                    format('an answer seen after its lease had moved on (by %s): %s',
+                        l.owner, l.outcome)
+             FROM late_observations l LEFT JOIN attempts a ON a.id = l.attempt_id
+             WHERE l.step_id = ANY($1)
+             UNION ALL
+             SELECT d.step_id, d.decided_at, 'recovery_decision', a.number, NULL, NULL, NULL,
+                    NULL,
+                    format('recovery (%s): %s, as %s%s', d.owner, d.decision, d.category,
+                        coalesce(': ' || (d.detail->>'reason'), ''))
+             FROM recovery_decisions d LEFT JOIN attempts a ON a.id = d.attempt_id
+             WHERE d.step_id = ANY($1)
+             ORDER BY 2, 3",
+        )
+        .bind(&steps)
+        .fetch_all(&self.pool)
+        .await?;
+        for item in &mut items {
+            item.evidence = evidence
+                .iter()
+                .filter(|e| e.step_id == item.step_id)
+                .cloned()
+                .collect();
+        }
+        Ok(items)
     }
 
     /// What the step- and workflow-level gauges show: open review items, integrity conflicts,
