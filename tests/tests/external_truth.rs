@@ -483,24 +483,27 @@ async fn an_answer_whose_worker_is_stopped_is_recorded_by_the_gateway() -> Resul
     Ok(())
 }
 
-/// A queryable destination still processing the first request (4 s) when the executor that
-/// sent it is killed. Recovery's status query hears "still being processed" (`202`), which is
-/// not a "no": it asks again each time its recovery lease expires, and completes the step from
-/// the answer once the effect is committed. Read as "no such request", it would send the
-/// request a second time, and a queryable route never de-duplicates.
+/// A queryable destination holds the first request, received and unanswered, while the
+/// executor that sent it is killed. Recovery's status query hears "still being processed"
+/// (`202`), which is not a "no": it asks again each time its recovery lease expires, and
+/// completes the step from the answer once the destination lets the request finish. Read as
+/// "no such request", it would send the request a second time, and a queryable route never
+/// de-duplicates.
 async fn queried_while_in_progress(broken: Option<Break>) -> Result<Ended> {
     let mut cluster = start(
         Topology {
-            recoveries: 0,
+            recoveries: 1,
             capability: "queryable",
+            env: vec![("Z29C_RECOVERY_LEASE_MS".into(), "1500".into())],
             ..Topology::default()
         },
         broken,
     )
     .await?;
+    let pool = cluster.db.pool(2).await?;
     let ledger = cluster.ledger_pool().await?;
     cluster
-        .set_faults("charge", json!({ "delay_ms": 4_000 }))
+        .set_faults("charge", json!({ "hold": true }))
         .await?;
     let mut req = chain("in-progress", "charge", 1);
     req.steps[0].policy = Some(policy(4));
@@ -512,17 +515,30 @@ async fn queried_while_in_progress(broken: Option<Break>) -> Result<Ended> {
         Duration::from_secs(20),
     )
     .await?;
-    // only the first request is slow
-    cluster.set_faults("charge", json!({})).await?;
     cluster
         .process("executor-1")
         .context("executor-1")?
         .kill()
         .await?;
     cluster.add_executor().await?;
-    cluster
-        .add_recovery_with(&[("Z29C_RECOVERY_LEASE_MS", "1500")])
+    // hold the request until recovery has asked twice, or (a broken build) sent it again
+    let start = Instant::now();
+    loop {
+        let queries = count(
+            &pool,
+            "SELECT count(*) FROM recovery_decisions WHERE decision = 'status_query'",
+        )
         .await?;
+        let requests = count(&ledger, "SELECT count(*) FROM destination.requests").await?;
+        if queries >= 2 || requests >= 2 {
+            break;
+        }
+        if start.elapsed() > Duration::from_secs(60) {
+            bail!("recovery asked {queries} times and the destination got {requests} requests");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    cluster.set_faults("charge", json!({})).await?;
     // the first request's effect commits whatever z29c decided meanwhile
     wait_for(
         &ledger,
@@ -532,6 +548,7 @@ async fn queried_while_in_progress(broken: Option<Break>) -> Result<Ended> {
         Duration::from_secs(20),
     )
     .await?;
+    pool.close().await;
     ledger.close().await;
     judge(cluster, &id, AdapterCapability::Queryable, 1).await
 }

@@ -6,6 +6,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::capability::AdapterCapability;
 use crate::checkpoint::Checkpoint;
+use crate::state::{Outcome, StepState};
 use crate::text_enum::text_enum;
 
 /// What recovery knows about a step after taking its recovery lease.
@@ -72,6 +73,33 @@ text_enum! {
 }
 
 impl RecoveryDecision {
+    /// The step's state once the decision is recorded: `None` keeps it with recovery (a
+    /// status query or a reconciliation acts next, or the recovery lease expires and the step
+    /// is looked at again). A retry in a workflow that no longer runs sends nothing: a fresh
+    /// start is cancelled, and one under the same identity goes to a person, since its
+    /// request may already have had an effect. Acknowledging follows the receipt's outcome and
+    /// needs one (`receipt`).
+    pub fn next_state(
+        self,
+        workflow_running: bool,
+        receipt: Option<Outcome>,
+    ) -> Result<Option<StepState>, &'static str> {
+        use StepState as S;
+        Ok(match self {
+            Self::StatusQuery | Self::Reconcile => None,
+            Self::MakeReady | Self::Retry if workflow_running => Some(S::Ready),
+            Self::MakeReady | Self::Retry => Some(S::Cancelled),
+            Self::RetrySameIdentity if workflow_running => Some(S::Ready),
+            Self::RetrySameIdentity | Self::HumanReview => Some(S::NeedsReview),
+            Self::AcknowledgeOnly => match receipt {
+                Some(Outcome::Succeeded) => Some(S::Completed),
+                Some(Outcome::Failed) => Some(S::Failed),
+                None => return Err("acknowledge_only needs a receipt, and the step has none"),
+            },
+            Self::Fail => Some(S::Failed),
+        })
+    }
+
     /// Whether the decision may lead to another request reaching the external system.
     pub const fn may_send_again(self) -> bool {
         matches!(
@@ -142,6 +170,63 @@ pub fn classify(e: &Evidence) -> (RecoveryCategory, RecoveryDecision) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_decision_has_its_next_state_and_an_ended_workflow_sends_nothing() {
+        use StepState as S;
+        let receipts = [None, Some(Outcome::Succeeded), Some(Outcome::Failed)];
+        for &d in RecoveryDecision::ALL {
+            for running in [true, false] {
+                for receipt in receipts {
+                    let next = d.next_state(running, receipt);
+                    match d {
+                        RecoveryDecision::AcknowledgeOnly => {
+                            let want = match receipt {
+                                Some(Outcome::Succeeded) => Ok(Some(S::Completed)),
+                                Some(Outcome::Failed) => Ok(Some(S::Failed)),
+                                None => {
+                                    Err("acknowledge_only needs a receipt, and the step has none")
+                                }
+                            };
+                            assert_eq!(next, want, "{d} {running} {receipt:?}");
+                        }
+                        _ => {
+                            let next = next.expect("only acknowledging needs a receipt");
+                            // only a running workflow makes a step ready again
+                            if next == Some(S::Ready) {
+                                assert!(running && d.may_send_again(), "{d}");
+                            }
+                            // a step that may have sent never ends cancelled or failed here
+                            // unless recovery decided failure (nothing was sent)
+                            if d == RecoveryDecision::RetrySameIdentity && !running {
+                                assert_eq!(next, Some(S::NeedsReview));
+                            }
+                            match d {
+                                RecoveryDecision::StatusQuery | RecoveryDecision::Reconcile => {
+                                    assert_eq!(next, None)
+                                }
+                                RecoveryDecision::HumanReview => {
+                                    assert_eq!(next, Some(S::NeedsReview))
+                                }
+                                RecoveryDecision::Fail => assert_eq!(next, Some(S::Failed)),
+                                RecoveryDecision::MakeReady | RecoveryDecision::Retry => {
+                                    assert_eq!(
+                                        next,
+                                        Some(if running { S::Ready } else { S::Cancelled })
+                                    )
+                                }
+                                RecoveryDecision::RetrySameIdentity => assert_eq!(
+                                    next,
+                                    Some(if running { S::Ready } else { S::NeedsReview })
+                                ),
+                                RecoveryDecision::AcknowledgeOnly => unreachable!(),
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
 
     #[test]
     fn an_unanswered_query_is_asked_again_then_goes_to_a_person_never_to_a_retry() {

@@ -21,8 +21,8 @@
 //!   with that key is still being processed (a status endpoint that answers for every request
 //!   it received, as a queryable API must), `404` when none was received, or `501` where the
 //!   route answers no status queries.
-//! - `PUT /admin/faults/{route}`: switch faults for a route (delay, commit then drop the
-//!   response, 429 with `Retry-After`, 5xx, idempotency off, query off, 409 in flight); a
+//! - `PUT /admin/faults/{route}`: switch faults for a route (delay, hold until released,
+//!   commit then drop the response, 429 with `Retry-After`, 5xx, idempotency off, query off, 409 in flight); a
 //!   request's `X-Destination-Faults` header (the same JSON) overrides its route's for that
 //!   request.
 
@@ -83,6 +83,9 @@ impl Mode {
 pub struct Faults {
     /// Wait this long before handling a request.
     pub delay_ms: u64,
+    /// Hold every request of the route, received and unanswered, until the route's faults
+    /// no longer say so (a request still being processed, for as long as a test needs).
+    pub hold: bool,
     /// Commit the effect, then never answer: the caller cannot know it happened.
     pub drop_response: bool,
     /// Refuse with 429 and this `Retry-After` (milliseconds, rounded up to seconds).
@@ -438,6 +441,12 @@ async fn process(
             refused = Some("in_flight");
         }
     }
+    // counted as being processed from its arrival: a status query never hears "no such
+    // request" about a request this destination has received and not finished
+    let processing = match (&key, refused) {
+        (Some(key), None) => Some(Processing::start(&d, mode, key)),
+        _ => None,
+    };
     let request_id = if faults.ledger_off {
         0
     } else {
@@ -445,10 +454,6 @@ async fn process(
             Ok(id) => id,
             Err(e) => return error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
         }
-    };
-    let processing = match (&key, refused) {
-        (Some(key), None) => Some(Processing::start(&d, mode, key)),
-        _ => None,
     };
     if refused == Some("in_flight") {
         return error(
@@ -458,6 +463,11 @@ async fn process(
     }
     if faults.delay_ms > 0 {
         tokio::time::sleep(Duration::from_millis(faults.delay_ms)).await;
+    }
+    if faults.hold {
+        while d.faults(&route).hold {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
     }
     if let Some(ms) = faults.rate_limit_ms {
         let secs = ms.div_ceil(1000).max(1);
@@ -662,6 +672,9 @@ async fn answer_status(d: Destination, mode: Mode, key: String) -> Response {
     if let Some(reference) = faults.query_reference {
         return Json(json!({ "reference": reference, "references": [reference] })).into_response();
     }
+    // asked before the ledger is read: a request that commits in between is then found,
+    // never missed by both
+    let processing = Processing::is_processing(&d, mode, &key);
     let found: Result<Vec<String>, _> = sqlx::query_scalar(
         "SELECT reference FROM destination.ledger WHERE idempotency_key = $1 AND mode = $2
          ORDER BY received_at",
@@ -671,7 +684,7 @@ async fn answer_status(d: Destination, mode: Mode, key: String) -> Response {
     .fetch_all(&d.pool)
     .await;
     match found {
-        Ok(refs) if refs.is_empty() && Processing::is_processing(&d, mode, &key) => {
+        Ok(refs) if refs.is_empty() && processing => {
             (StatusCode::ACCEPTED, Json(json!({ "state": "processing" }))).into_response()
         }
         Ok(refs) if refs.is_empty() => error(StatusCode::NOT_FOUND, "no request with that key"),

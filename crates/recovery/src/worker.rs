@@ -149,21 +149,18 @@ async fn decide_on(
                     )
                     .await?;
                 }
-                other => {
+                other if answer_may_come(&other) => {
                     // still being processed, or no answer at all: a retry could send the
                     // request twice, so ask again when this recovery lease expires
                     let reason = match other {
                         Ok(Some(query_response::Status::Unknown(u))) => u.reason,
-                        Ok(_) => "an empty answer".to_owned(),
+                        Ok(_) => String::new(),
                         Err(status) => status.to_string(),
                     };
-                    let asked = ctx
-                        .store
-                        .recovery_decisions(lease.step)
-                        .await?
-                        .iter()
-                        .filter(|d| d.decision == RecoveryDecision::StatusQuery.as_str())
-                        .count();
+                    let asked = unanswered_so_far(
+                        &ctx.store.recovery_decisions(lease.step).await?,
+                        lease.attempt.as_uuid(),
+                    );
                     match z29c_core::recovery::after_unanswered_query(asked) {
                         None => tracing::info!(
                             step = %lease.step, asked, %reason,
@@ -176,6 +173,17 @@ async fn decide_on(
                             decide(ctx, lease, &record(next, json!({ "reason": reason }))).await?;
                         }
                     }
+                }
+                other => {
+                    // an answer no later query will change (the adapter unknown to the
+                    // gateway, a malformed identity, an empty answer): a person decides
+                    let reason = format!("status query gave no answer: {other:?}");
+                    decide(
+                        ctx,
+                        lease,
+                        &record(RecoveryDecision::HumanReview, json!({ "reason": reason })),
+                    )
+                    .await?;
                 }
             }
         }
@@ -252,6 +260,37 @@ async fn decide_on(
         }
     }
     Ok(())
+}
+
+/// Whether asking again later may bring an answer: the destination said it is still
+/// processing or could not say now, or the query timed out or found no gateway.
+fn answer_may_come(answer: &Result<Option<query_response::Status>, tonic::Status>) -> bool {
+    match answer {
+        Ok(Some(query_response::Status::Unknown(_))) => true,
+        Err(s) => matches!(
+            s.code(),
+            tonic::Code::Unavailable
+                | tonic::Code::DeadlineExceeded
+                | tonic::Code::Cancelled
+                | tonic::Code::ResourceExhausted
+                | tonic::Code::Unknown
+        ),
+        Ok(_) => false,
+    }
+}
+
+/// The status queries made for this attempt since recovery last decided anything else: an
+/// earlier episode (a retry, a person's resolution) starts the count again.
+fn unanswered_so_far(
+    decisions: &[z29c_store::recovery::RecordedDecision],
+    attempt: uuid::Uuid,
+) -> usize {
+    decisions
+        .iter()
+        .rev()
+        .take_while(|d| d.decision == RecoveryDecision::StatusQuery.as_str())
+        .filter(|d| d.attempt_id == Some(attempt))
+        .count()
 }
 
 /// Records a decision and counts it by category, decision and capability.

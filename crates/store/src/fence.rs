@@ -63,23 +63,46 @@ fn locks_only(write: FencedWrite) -> bool {
     )
 }
 
+/// The lease condition, written once: the step row `s` is at lease version `$version`, owned
+/// by `$owner`, in `$state` (`leased` or `recovering`), and its lease has not expired by
+/// PostgreSQL's clock. Every fenced statement puts it in its `WHERE` with this macro (each
+/// binds its own placeholders or columns); the attempt a lease must still name is the
+/// statement's own condition beside it, since a recovery lease names none.
+macro_rules! lease_held {
+    ($version:literal, $owner:literal, $state:literal) => {
+        concat!(
+            "s.lease_version = ",
+            $version,
+            " AND s.lease_owner = ",
+            $owner,
+            " AND s.state = ",
+            $state,
+            " AND s.expires_at > now()"
+        )
+    };
+}
+pub(crate) use lease_held;
+
 /// The fenced update of the step row: it matches only while the presented lease is current by
 /// PostgreSQL's clock (`$1` step, `$2` lease version, `$3` owner, `$4` leased state, `$5` the
 /// attempt or NULL) and advances the checkpoint version by `$6`. Written once for [`fence`] and
 /// [`fence_invocation_began`], which runs it as a CTE.
 macro_rules! fenced_update {
     () => {
-        "UPDATE steps s
-         SET checkpoint_version = s.checkpoint_version + $6, updated_at = now()
-         WHERE s.id = $1 AND s.lease_version = $2 AND s.lease_owner = $3
-           AND s.state = $4::step_state AND s.expires_at > now()
-           AND ($5::uuid IS NULL OR s.current_attempt_id = $5)
-         RETURNING s.workflow_id, s.checkpoint_version, s.request_identity, s.input_digest,
-                   s.adapter,
-                   (SELECT w.state::text FROM workflows w WHERE w.id = s.workflow_id)
-                       AS workflow_state,
-                   (SELECT a.checkpoint::text FROM attempts a WHERE a.id = s.current_attempt_id)
-                       AS checkpoint"
+        concat!(
+            "UPDATE steps s
+             SET checkpoint_version = s.checkpoint_version + $6, updated_at = now()
+             WHERE s.id = $1 AND ",
+            lease_held!("$2", "$3", "$4::step_state"),
+            "
+               AND ($5::uuid IS NULL OR s.current_attempt_id = $5)
+             RETURNING s.workflow_id, s.checkpoint_version, s.request_identity, s.input_digest,
+                       s.adapter,
+                       (SELECT w.state::text FROM workflows w WHERE w.id = s.workflow_id)
+                           AS workflow_state,
+                       (SELECT a.checkpoint::text FROM attempts a WHERE a.id = s.current_attempt_id)
+                           AS checkpoint"
+        )
     };
 }
 
@@ -103,17 +126,20 @@ pub(crate) async fn fence(
     // a checkpoint that leaves the step leased records its version here. Either way the
     // lease is matched on the row's newest version once the lock is held.
     let sql = if locks_only(write) {
-        "SELECT s.workflow_id, s.checkpoint_version + $6 AS checkpoint_version,
-                s.request_identity, s.input_digest, s.adapter,
-                (SELECT w.state::text FROM workflows w WHERE w.id = s.workflow_id)
-                    AS workflow_state,
-                (SELECT a.checkpoint::text FROM attempts a WHERE a.id = s.current_attempt_id)
-                    AS checkpoint
-         FROM steps s
-         WHERE s.id = $1 AND s.lease_version = $2 AND s.lease_owner = $3
-           AND s.state = $4::step_state AND s.expires_at > now()
-           AND ($5::uuid IS NULL OR s.current_attempt_id = $5)
-         FOR NO KEY UPDATE OF s"
+        concat!(
+            "SELECT s.workflow_id, s.checkpoint_version + $6 AS checkpoint_version,
+                    s.request_identity, s.input_digest, s.adapter,
+                    (SELECT w.state::text FROM workflows w WHERE w.id = s.workflow_id)
+                        AS workflow_state,
+                    (SELECT a.checkpoint::text FROM attempts a WHERE a.id = s.current_attempt_id)
+                        AS checkpoint
+             FROM steps s
+             WHERE s.id = $1 AND ",
+            lease_held!("$2", "$3", "$4::step_state"),
+            "
+               AND ($5::uuid IS NULL OR s.current_attempt_id = $5)
+             FOR NO KEY UPDATE OF s"
+        )
     } else {
         fenced_update!()
     };

@@ -20,6 +20,7 @@ use z29c_core::{Checkpoint, LeaseClaim, LeaseKind};
 
 use crate::events::EventKind;
 use crate::faults::{self, CrashPoint};
+use crate::fence::lease_held;
 use crate::permits::{EndedPermit, Permit, PermitRequest};
 use crate::shared::Shared;
 use crate::{Result, Store, millis};
@@ -133,7 +134,7 @@ impl Store {
             .iter()
             .map(|e| i64::try_from(e.ended.elapsed().as_micros()).unwrap_or(i64::MAX))
             .collect();
-        let began: Vec<BeganRow> = sqlx::query_as(
+        let began: Vec<BeganRow> = sqlx::query_as(concat!(
             "WITH i AS (
                  SELECT * FROM unnest($1::uuid[], $2::int8[], $3::text[], $4::uuid[],
                                       $5::uuid[], $6::text[], $7::text[], $8::int8[])
@@ -151,9 +152,9 @@ impl Store {
                  FROM (SELECT * FROM i ORDER BY step_id) i
                  CROSS JOIN LATERAL (
                      SELECT s.* FROM steps s
-                     WHERE s.id = i.step_id AND s.lease_version = i.lease_version
-                       AND s.lease_owner = i.owner
-                       AND s.state = 'leased' AND s.expires_at > now()
+                     WHERE s.id = i.step_id AND ",
+            lease_held!("i.lease_version", "i.owner", "'leased'"),
+            "
                        AND s.current_attempt_id = i.attempt_id
                      FOR NO KEY UPDATE OF s
                  ) s
@@ -242,8 +243,8 @@ impl Store {
                                            'checkpoint_version', b.version)
                  FROM b ORDER BY b.ord
              )
-             SELECT p.*, b.version AS checkpoint_version FROM p JOIN b ON b.permit_id = p.id",
-        )
+             SELECT p.*, b.version AS checkpoint_version FROM p JOIN b ON b.permit_id = p.id"
+        ))
         .bind(&steps)
         .bind(&versions)
         .bind(&owners)

@@ -20,7 +20,7 @@ use z29c_core::{
 use crate::error::parse;
 use crate::events::{self, EventKind, NewEvent};
 use crate::faults::{self, Break, CrashPoint};
-use crate::fence::{self, Held};
+use crate::fence::{self, Held, lease_held};
 use crate::outbox::{self, MessageKind};
 use crate::workflows::{Receipt, ReceiptRow, open_review, receipt_columns};
 use crate::{Result, Store, StoreError, millis};
@@ -319,19 +319,21 @@ impl Store {
     /// a granted expiry never passes the attempt deadline.
     pub async fn renew(&self, claim: &LeaseClaim, checkpoint_version: i64) -> Result<Renewed> {
         let mut tx = self.begin().await?;
-        let row: Option<(DateTime<Utc>, DateTime<Utc>, Uuid)> = sqlx::query_as(
+        let row: Option<(DateTime<Utc>, DateTime<Utc>, Uuid)> = sqlx::query_as(concat!(
             "UPDATE steps s
              SET expires_at = LEAST(now() + s.lease_ms * interval '1 millisecond',
                                     s.attempt_deadline),
                  updated_at = now()
-             WHERE s.id = $1 AND s.lease_version = $2 AND s.lease_owner = $3
-               AND s.current_attempt_id = $4 AND s.state = 'leased' AND s.expires_at > now()
+             WHERE s.id = $1 AND ",
+            lease_held!("$2", "$3", "'leased'"),
+            "
+               AND s.current_attempt_id = $4
                AND s.checkpoint_version = $5
                AND now() + s.final_grace_ms * interval '1 millisecond' < s.attempt_deadline
                AND EXISTS (SELECT 1 FROM workflows w
                            WHERE w.id = s.workflow_id AND w.state = 'running')
-             RETURNING s.expires_at, now(), s.workflow_id",
-        )
+             RETURNING s.expires_at, now(), s.workflow_id"
+        ))
         .bind(claim.step.as_uuid())
         .bind(claim.version.get())
         .bind(claim.owner.as_str())

@@ -23,6 +23,7 @@ use z29c_core::{
 
 use crate::events::EventKind;
 use crate::faults::{self, CrashPoint};
+use crate::fence::lease_held;
 use crate::leases::{CommitOutcome, Observed};
 use crate::outbox::MessageKind;
 use crate::shared::Shared;
@@ -91,9 +92,9 @@ impl Store {
                  FROM (SELECT * FROM i ORDER BY step_id) i
                  CROSS JOIN LATERAL (
                      SELECT s.* FROM steps s
-                     WHERE s.id = i.step_id AND s.lease_version = i.lease_version
-                       AND s.lease_owner = i.owner
-                       AND s.state = 'leased' AND s.expires_at > now()
+                     WHERE s.id = i.step_id AND ",
+            lease_held!("i.lease_version", "i.owner", "'leased'"),
+            "
                        AND s.current_attempt_id = i.attempt_id
                        AND s.request_identity = i.request_identity
                        AND s.input_digest = i.input_digest

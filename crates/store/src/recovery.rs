@@ -475,31 +475,19 @@ impl Store {
                 .fetch_one(&mut *tx)
                 .await?;
         let running = parse::<WorkflowState>(&workflow_state)? == WorkflowState::Running;
-        let next: Option<&str> = match record.decision {
-            D::StatusQuery | D::Reconcile => None,
-            D::MakeReady | D::Retry if running => Some("ready"),
-            D::MakeReady | D::Retry => Some("cancelled"),
-            D::RetrySameIdentity if running => Some("ready"),
-            D::RetrySameIdentity | D::HumanReview => Some("needs_review"),
-            D::AcknowledgeOnly => {
-                let outcome: Option<String> = sqlx::query_scalar(
-                    "SELECT outcome::text FROM step_receipts WHERE step_id = $1",
-                )
+        let receipt: Option<String> = if record.decision == D::AcknowledgeOnly {
+            sqlx::query_scalar("SELECT outcome::text FROM step_receipts WHERE step_id = $1")
                 .bind(lease.step.as_uuid())
                 .fetch_optional(&mut *tx)
-                .await?;
-                match outcome.as_deref().map(parse::<Outcome>).transpose()? {
-                    Some(Outcome::Succeeded) => Some("completed"),
-                    Some(Outcome::Failed) => Some("failed"),
-                    None => {
-                        return Err(StoreError::Conflict(
-                            "acknowledge_only needs a receipt, and the step has none".into(),
-                        ));
-                    }
-                }
-            }
-            D::Fail => Some("failed"),
+                .await?
+        } else {
+            None
         };
+        let receipt = receipt.as_deref().map(parse::<Outcome>).transpose()?;
+        let next = record
+            .decision
+            .next_state(running, receipt)
+            .map_err(|e| StoreError::Conflict(e.into()))?;
         // a retry after an attempt that failed to finish waits, capped and jittered
         let wait = match record.decision {
             D::Retry | D::RetrySameIdentity => {
@@ -520,12 +508,12 @@ impl Store {
                  WHERE id = $1",
             )
             .bind(lease.step.as_uuid())
-            .bind(next)
+            .bind(next.as_str())
             .bind(crate::millis(wait))
             .execute(&mut *tx)
             .await?;
             match next {
-                "ready" => {
+                StepState::Ready => {
                     outbox::enqueue(
                         &mut tx,
                         MessageKind::StepReady,
@@ -535,7 +523,7 @@ impl Store {
                     )
                     .await?;
                 }
-                "needs_review" => {
+                StepState::NeedsReview => {
                     let reason = record
                         .detail
                         .get("reason")
@@ -553,7 +541,7 @@ impl Store {
                     )
                     .await?;
                 }
-                "failed" if record.decision == D::Fail && running => {
+                StepState::Failed if record.decision == D::Fail && running => {
                     end_workflow(&mut tx, held.workflow, WorkflowState::Failed).await?;
                     stop_unstarted_steps(&mut tx, held.workflow, "a step failed by policy").await?;
                 }
