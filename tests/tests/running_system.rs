@@ -438,14 +438,15 @@ async fn sigterm_to_an_executor_under_load_loses_nothing() -> Result<()> {
     let mut cluster = Cluster::start(1, 2, 32).await?;
     let pool = cluster.db.pool(2).await?;
     let ledger = cluster.ledger_pool().await?;
-    cluster
-        .set_faults("work", json!({ "delay_ms": 100 }))
-        .await?;
+    // the destination holds every call until executor-1 is seen busy: on a fast machine the
+    // whole load could otherwise finish before the test looks
+    cluster.set_faults("work", json!({ "hold": true })).await?;
     let reqs = (0..WORKFLOWS)
         .map(|i| chain(&format!("term-{i}"), "work", 3))
         .collect();
     let ids = submit(&cluster, reqs).await?;
     // let executor-1 get busy, then ask it to stop
+    let start = std::time::Instant::now();
     loop {
         let held: i64 =
             sqlx::query_scalar("SELECT count(*) FROM steps WHERE lease_owner = 'executor-1'")
@@ -454,8 +455,14 @@ async fn sigterm_to_an_executor_under_load_loses_nothing() -> Result<()> {
         if held > 0 {
             break;
         }
+        if start.elapsed() > Duration::from_secs(60) {
+            anyhow::bail!("executor-1 never held a step");
+        }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    cluster
+        .set_faults("work", json!({ "delay_ms": 100 }))
+        .await?;
     let status = cluster
         .process("executor-1")
         .expect("executor-1")

@@ -683,11 +683,16 @@ impl Store {
         .execute(&mut *tx)
         .await?;
         if next == "needs_review" {
-            open_review(
+            let reason = "workflow ended after an earlier attempt's request may have been sent";
+            open_review(&mut tx, held.workflow, claim.step.as_uuid(), reason).await?;
+            events::append(
                 &mut tx,
-                held.workflow,
-                claim.step.as_uuid(),
-                "workflow ended after an earlier attempt's request may have been sent",
+                NewEvent::by(
+                    claim,
+                    held.workflow,
+                    EventKind::ReviewOpened,
+                    json!({ "reason": reason }),
+                ),
             )
             .await?;
         }
@@ -1071,7 +1076,8 @@ pub(crate) async fn stop_unstarted_steps(
         .await?
     };
     for (step, state, lease_version) in stopped {
-        if state == "needs_review" {
+        // a step that may have sent is not cancelled: its review opens, and says why
+        let kind = if state == "needs_review" {
             open_review(
                 conn,
                 workflow,
@@ -1079,7 +1085,10 @@ pub(crate) async fn stop_unstarted_steps(
                 "workflow ended after a request may have been sent",
             )
             .await?;
-        }
+            EventKind::ReviewOpened
+        } else {
+            EventKind::Cancelled
+        };
         events::append(
             conn,
             NewEvent {
@@ -1088,7 +1097,7 @@ pub(crate) async fn stop_unstarted_steps(
                 attempt: None,
                 lease_version,
                 owner: None,
-                kind: EventKind::Cancelled,
+                kind,
                 detail: json!({ "reason": reason, "state": state }),
             },
         )

@@ -102,6 +102,15 @@ async fn state_of(store: &Store, c: &ClaimedStep) -> StepState {
 }
 
 /// The steps that have an open review item.
+/// The kinds of the step's events, oldest first.
+async fn event_kinds(pool: &PgPool, step: StepId) -> Vec<String> {
+    sqlx::query_scalar("SELECT kind::text FROM step_events WHERE step_id = $1 ORDER BY id")
+        .bind(step.as_uuid())
+        .fetch_all(pool)
+        .await
+        .unwrap()
+}
+
 async fn open_reviews(store: &Store) -> Vec<Uuid> {
     let items = store.review_items(false, 100).await.unwrap();
     items.into_iter().map(|i| i.step_id).collect()
@@ -176,6 +185,20 @@ async fn a_cancelled_workflow_sends_a_step_to_review_when_an_earlier_attempt_may
         open_reviews(&store).await,
         [sent.lease.step.as_uuid()],
         "only the step whose request may exist waits for a person"
+    );
+    // its history says a review opened, not that it was cancelled
+    let kinds = event_kinds(&pool, sent.lease.step).await;
+    assert_eq!(
+        kinds.last().map(String::as_str),
+        Some("review_opened"),
+        "{kinds:?}"
+    );
+    assert!(!kinds.iter().any(|k| k == "cancelled"), "{kinds:?}");
+    let kinds = event_kinds(&pool, unsent.lease.step).await;
+    assert_eq!(
+        kinds.last().map(String::as_str),
+        Some("cancelled"),
+        "{kinds:?}"
     );
     assert!(
         store
@@ -322,6 +345,8 @@ async fn a_release_in_an_ended_workflow_reviews_a_step_that_may_have_sent(pool: 
     assert_eq!(state_of(&store, sent).await, StepState::NeedsReview);
     assert_eq!(state_of(&store, unsent).await, StepState::Cancelled);
     assert_eq!(open_reviews(&store).await, [sent.lease.step.as_uuid()]);
+    let kinds = event_kinds(&pool, sent.lease.step).await;
+    assert!(kinds.iter().any(|k| k == "review_opened"), "{kinds:?}");
     assert!(
         store
             .claim(&owner("worker-c"), 10)
