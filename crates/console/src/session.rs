@@ -70,8 +70,8 @@ impl Sessions {
         Ok((Some(caller), bearer))
     }
 
-    /// Refuses a state-changing request without the CSRF token of the caller's sign-in, or from a page of
-    /// another origin.
+    /// Refuses a state-changing request without the CSRF token of the caller's sign-in, or
+    /// from a page of another origin.
     pub fn check_forgery(&self, jar: &CookieJar, headers: &HeaderMap) -> Result<(), Refusal> {
         if let (Some(origin), Some(host)) = (headers.get("origin"), headers.get("host")) {
             let origin = origin.to_str().unwrap_or("");
