@@ -37,7 +37,8 @@ pub enum Invariant {
     D,
     /// A stale worker's late result is only evidence.
     E,
-    /// The permit limit is never exceeded.
+    /// The permit limit is never exceeded: not in the permits z29c granted, not in the
+    /// requests the destination was processing at once.
     F,
     /// Enough steps completed that the run proves something.
     Progress,
@@ -179,12 +180,18 @@ pub struct RequestRow {
     /// Refused before anything was done (`rate_limited`, `server_error`), as only the
     /// destination knows.
     pub refused: Option<String>,
+    /// When the destination was done with it (answered, or chose to stay silent); none if
+    /// it never was (the destination died first).
+    #[serde(default)]
+    pub finished_at: Option<DateTime<Utc>>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, sqlx::FromRow)]
 pub struct PermitRow {
     pub adapter: String,
     pub operation_class: String,
+    #[serde(default)]
+    pub request_identity: Option<String>,
     pub acquired_at: DateTime<Utc>,
     /// When it stopped counting: released, or expired.
     pub until: DateTime<Utc>,
@@ -304,13 +311,13 @@ impl History {
             .fetch_all(ledger)
             .await?,
             requests: sqlx::query_as(
-                "SELECT id, received_at, mode, route, idempotency_key, body, refused
+                "SELECT id, received_at, mode, route, idempotency_key, body, refused, finished_at
                  FROM destination.requests ORDER BY id",
             )
             .fetch_all(ledger)
             .await?,
             permits: sqlx::query_as(
-                "SELECT adapter, operation_class, acquired_at,
+                "SELECT adapter, operation_class, request_identity, acquired_at,
                         least(coalesce(released_at, expires_at), expires_at) AS until
                  FROM adapter_permits",
             )
@@ -740,6 +747,49 @@ impl History {
             }
         }
 
+        // F as the destination saw it: the requests of one route it was processing at once.
+        // Each counts until it finished, or until the permit it was sent under stopped
+        // counting if that came first (a permit held for an unknown outcome runs out after
+        // its safety window, and the limit then lets another call begin beside a request
+        // still being processed). A request no permit covered counts until it finished.
+        let mut by_route: BTreeMap<(&str, &str), Changes> = BTreeMap::new();
+        for r in &self.requests {
+            let covered_until = self
+                .permits
+                .iter()
+                .filter(|p| {
+                    p.request_identity.is_some()
+                        && p.request_identity == r.idempotency_key
+                        && p.acquired_at <= r.received_at
+                })
+                .max_by_key(|p| p.acquired_at)
+                .map(|p| p.until);
+            let finished = r.finished_at.unwrap_or(r.received_at);
+            let until = covered_until.map_or(finished, |u| u.min(finished));
+            let e = by_route
+                .entry((r.mode.as_str(), r.route.as_str()))
+                .or_default();
+            e.push((r.received_at, 1));
+            e.push((until.max(r.received_at), -1));
+        }
+        for ((mode, route), mut points) in by_route {
+            points.sort();
+            let (mut now, mut peak) = (0i64, 0i64);
+            for (_, d) in points {
+                now += i64::from(d);
+                peak = peak.max(now);
+            }
+            if peak > expect.permit_limit {
+                v(
+                    Invariant::F,
+                    format!(
+                        "the destination processed {peak} requests of {mode}/{route} at once, limit {}",
+                        expect.permit_limit
+                    ),
+                );
+            }
+        }
+
         let t = self.tally();
         if t.completed < expect.min_completed {
             v(
@@ -809,6 +859,7 @@ mod tests {
             idempotency_key: Some(format!("key-{n}")),
             body: serde_json::json!({ "n": 0, "step": step_token(&format!("wf-{n}"), "s0") }),
             refused: None,
+            finished_at: Some(at(ms + 100)),
         });
         if let Some(reference) = reference {
             h.ledger.push(LedgerRow {
@@ -992,6 +1043,7 @@ mod tests {
             idempotency_key: Some("nobody".into()),
             body: serde_json::json!({}),
             refused: None,
+            finished_at: None,
         });
         h.ledger.push(LedgerRow {
             reference: "dst-99".into(),
@@ -1007,5 +1059,62 @@ mod tests {
         let mut h = good();
         h.ledger.clear();
         assert!(broken(&h).contains(&Invariant::A));
+    }
+
+    #[test]
+    fn more_requests_processed_at_once_than_the_limit_is_caught_at_the_destination() {
+        // nine steps' requests overlap at the destination, limit 8; z29c's permit table has
+        // no row for them (a build that sends without a permit)
+        let mut h = History::default();
+        for n in 0..9 {
+            h.steps.push(step(n, IDEMPOTENT, "completed", "completed"));
+            request(&mut h, n, 10 * n as i64, None);
+            h.requests[n as usize].finished_at = Some(at(1_000));
+        }
+        let found = h.check(&expect());
+        assert!(
+            found
+                .iter()
+                .any(|v| v.invariant == Invariant::F && v.detail.contains("at once")),
+            "{found:?}"
+        );
+        // one of them finished before the ninth arrived: eight at most
+        h.requests[0].finished_at = Some(at(50));
+        let found = h.check(&expect());
+        assert!(!found.iter().any(|v| v.invariant == Invariant::F), "{found:?}");
+    }
+
+    #[test]
+    fn a_request_outliving_its_permit_does_not_count_past_it() {
+        // each request runs on after its permit ran out (its safety window ended), and the
+        // next permit was granted then: never more than one permit, nine slow requests
+        let mut h = History::default();
+        for n in 0..9 {
+            h.steps.push(step(n, IDEMPOTENT, "completed", "completed"));
+            let ms = 100 * n as i64;
+            request(&mut h, n, ms + 1, None);
+            h.requests[n as usize].finished_at = Some(at(5_000));
+            h.permits.push(PermitRow {
+                adapter: IDEMPOTENT.into(),
+                operation_class: "target".into(),
+                request_identity: Some(format!("key-{n}")),
+                acquired_at: at(ms),
+                until: at(ms + 100),
+            });
+        }
+        let found = h.check(&Expect {
+            permit_limit: 1,
+            ..expect()
+        });
+        assert!(!found.iter().any(|v| v.invariant == Invariant::F), "{found:?}");
+        // the same requests, their permits still counting: nine at once
+        for p in &mut h.permits {
+            p.until = at(5_000);
+        }
+        let found = h.check(&Expect {
+            permit_limit: 1,
+            ..expect()
+        });
+        assert!(found.iter().any(|v| v.invariant == Invariant::F), "{found:?}");
     }
 }

@@ -231,8 +231,6 @@ pub enum RenewalDecision {
 pub struct Deadlines {
     /// The adapter timeout of the step policy.
     pub adapter_timeout: Duration,
-    /// Time left until the lease expires.
-    pub lease_left: Duration,
     /// Time left until the attempt deadline.
     pub attempt_left: Duration,
     /// Time left until the workflow deadline, if it has one.
@@ -242,14 +240,18 @@ pub struct Deadlines {
 }
 
 impl Deadlines {
-    /// The deadline to give one adapter call: no longer than the adapter timeout, and ending
-    /// `final_grace` before the lease, the attempt or the workflow run out, so the response (or
-    /// the timeout) can still be committed under the current lease. `None` means there is no
-    /// room for a call: do not begin an invocation.
+    /// The deadline to give one adapter call, from *invocation began*: no longer than the
+    /// adapter timeout, and ending `final_grace` before the attempt runs out (so the answer,
+    /// or the timeout, can still be committed under it) and by the workflow's deadline.
+    ///
+    /// The lease is not a limit: it is short so that a dead worker is found quickly, and the
+    /// worker renews it while the call runs. A call outlives its lease only when renewals
+    /// stop (the worker dead, paused or cut off); recovery then has the step, and the answer,
+    /// when it comes, is kept as a late observation. `None` means there is no room for a
+    /// call: do not begin an invocation.
     pub fn call_budget(&self) -> Option<Duration> {
         let mut budget = self
             .adapter_timeout
-            .min(self.lease_left.checked_sub(self.final_grace)?)
             .min(self.attempt_left.checked_sub(self.final_grace)?);
         if let Some(workflow_left) = self.workflow_left {
             budget = budget.min(workflow_left);
@@ -452,71 +454,34 @@ mod tests {
     }
 
     #[test]
-    fn call_budget_ends_before_every_deadline_by_the_grace() {
+    fn call_budget_ends_before_the_attempt_by_the_grace_and_by_the_workflow() {
         let d = Deadlines {
             adapter_timeout: ms(10_000),
-            lease_left: ms(15_000),
             attempt_left: ms(60_000),
             workflow_left: None,
             final_grace: ms(2_000),
         };
+        // a call longer than any lease: the worker renews beside it
         assert_eq!(d.call_budget(), Some(ms(10_000)));
-        assert_eq!(
-            Deadlines {
-                lease_left: ms(5_000),
+        let cases = [
+            (ms(4_000), None, Some(ms(2_000))),
+            (ms(12_000), None, Some(ms(10_000))),
+            (ms(60_000), Some(ms(700)), Some(ms(700))),
+            (ms(2_001), Some(ms(700)), Some(ms(1))),
+            (ms(2_000), None, None),
+            (ms(1_000), None, None),
+            (ms(0), None, None),
+            (ms(60_000), Some(ms(0)), None),
+        ];
+        for (attempt_left, workflow_left, want) in cases {
+            let got = Deadlines {
+                attempt_left,
+                workflow_left,
                 ..d
             }
-            .call_budget(),
-            Some(ms(3_000))
-        );
-        assert_eq!(
-            Deadlines {
-                attempt_left: ms(4_000),
-                ..d
-            }
-            .call_budget(),
-            Some(ms(2_000))
-        );
-        assert_eq!(
-            Deadlines {
-                workflow_left: Some(ms(700)),
-                ..d
-            }
-            .call_budget(),
-            Some(ms(700))
-        );
-        assert_eq!(
-            Deadlines {
-                lease_left: ms(2_000),
-                ..d
-            }
-            .call_budget(),
-            None
-        );
-        assert_eq!(
-            Deadlines {
-                lease_left: ms(1_000),
-                ..d
-            }
-            .call_budget(),
-            None
-        );
-        assert_eq!(
-            Deadlines {
-                attempt_left: ms(0),
-                ..d
-            }
-            .call_budget(),
-            None
-        );
-        assert_eq!(
-            Deadlines {
-                workflow_left: Some(ms(0)),
-                ..d
-            }
-            .call_budget(),
-            None
-        );
+            .call_budget();
+            assert_eq!(got, want, "attempt {attempt_left:?}, workflow {workflow_left:?}");
+        }
     }
 
     #[test]

@@ -178,8 +178,15 @@ impl Destination {
                  idempotency_key text,
                  body_digest     text NOT NULL,
                  body            jsonb NOT NULL,
-                 refused         text
+                 refused         text,
+                 finished_at     timestamptz
              )",
+        )
+        .execute(&mut *tx)
+        .await?;
+        // a ledger made before requests recorded their end
+        sqlx::query(
+            "ALTER TABLE destination.requests ADD COLUMN IF NOT EXISTS finished_at timestamptz",
         )
         .execute(&mut *tx)
         .await?;
@@ -455,6 +462,64 @@ async fn process(
             Err(e) => return error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
         }
     };
+    let answer = respond(
+        &d,
+        Received {
+            mode,
+            route,
+            key,
+            honour_key,
+            body,
+            refused,
+            faults,
+            request_id,
+            in_flight,
+            processing,
+        },
+    )
+    .await;
+    if request_id != 0
+        && let Err(e) = sqlx::query(
+            "UPDATE destination.requests SET finished_at = clock_timestamp() WHERE id = $1",
+        )
+        .bind(request_id)
+        .execute(&d.pool)
+        .await
+    {
+        tracing::warn!(error = %e, request_id, "recording the request's end failed");
+    }
+    answer
+}
+
+/// A request as recorded, with what its answer depends on.
+struct Received {
+    mode: Mode,
+    route: String,
+    key: Option<String>,
+    honour_key: bool,
+    body: Value,
+    refused: Option<&'static str>,
+    faults: Faults,
+    request_id: i64,
+    in_flight: InFlight,
+    processing: Option<Processing>,
+}
+
+/// What the destination does with a recorded request, as its mode and faults say; the
+/// request counts as being processed until this returns.
+async fn respond(d: &Destination, r: Received) -> Response {
+    let Received {
+        mode,
+        route,
+        key,
+        honour_key,
+        body,
+        refused,
+        faults,
+        request_id,
+        mut in_flight,
+        processing,
+    } = r;
     if refused == Some("in_flight") {
         return error(
             StatusCode::CONFLICT,

@@ -125,7 +125,7 @@ async fn attempt(
             .await;
     };
     let Some(budget) = deadlines(step, claimed_at).call_budget() else {
-        tracing::warn!("no time left for a call under this lease; giving the step back");
+        tracing::warn!("no time left for a call before the attempt's deadline; giving the step back");
         return store.release_unbegun(lease).await;
     };
     // The gateway commits *invocation began* under this lease, with its permit, right before
@@ -133,8 +133,9 @@ async fn attempt(
     // past the claim's.
     let version = step.checkpoint_version + 1;
 
-    // renewal beside the call; it stops refreshing when fenced, and the commit below is fenced
-    // anyway, so a lost lease turns the answer into late evidence
+    // renewal beside the call keeps a short lease alive through a long call; it stops when
+    // fenced, and the commit below is fenced anyway, so a lost lease turns the answer into
+    // late evidence
     let renewal = {
         let (store, lease, every) = (store.clone(), lease.clone(), step.policy.renew_every);
         tokio::spawn(async move {
@@ -302,7 +303,7 @@ fn report(outcome: CommitOutcome) {
     }
 }
 
-/// The four deadlines as this worker sees them: PostgreSQL's times at claim, minus the time
+/// The deadlines that bound a call, as this worker sees them: PostgreSQL's times at claim, minus the time
 /// this process has measured since on its monotonic clock. Its wall clock plays no part.
 fn deadlines(step: &ClaimedStep, claimed_at: Instant) -> Deadlines {
     let elapsed = claimed_at.elapsed();
@@ -314,7 +315,6 @@ fn deadlines(step: &ClaimedStep, claimed_at: Instant) -> Deadlines {
     };
     Deadlines {
         adapter_timeout: step.policy.adapter_timeout,
-        lease_left: left(step.expires_at),
         attempt_left: left(step.attempt_deadline),
         workflow_left: step.workflow_deadline.map(left),
         final_grace: step.policy.final_grace,

@@ -4,9 +4,10 @@
 //! Work is found by polling PostgreSQL; JetStream `step.ready` hints only wake the pool early,
 //! so a lost message delays work and a duplicate changes nothing. The claim creates each
 //! attempt with its request identity; the attempt calls a gateway with its lease and a
-//! deadline that ends before the lease and the attempt do (the gateway commits *invocation
-//! began* under that lease, with its permit, before it sends), renews beside the call, and
-//! commits the receipt — or, when fenced, keeps what it saw as late evidence. On shutdown it stops claiming, gives back
+//! deadline that ends before the attempt does (the gateway commits *invocation began* under
+//! that lease, with its permit, before it sends), renews the short lease beside the call for
+//! as long as the call runs, and commits the receipt — or, when fenced, keeps what it saw as
+//! late evidence. On shutdown it stops claiming, gives back
 //! steps whose invocation has not begun, and lets calls in flight finish within a grace period.
 //!
 //! While every worker is busy it claims a few steps ahead (`claim_ahead`): they wait, leased

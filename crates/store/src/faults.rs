@@ -130,15 +130,23 @@ pub enum Break {
     /// A status query's "still being processed" is read as "no such request", which recovery
     /// answers with a retry.
     InProgressAsNotFound,
+    /// An answer that arrives after its attempt's lease moved on is thrown away instead of
+    /// kept as a late observation.
+    LateResultDropped,
+    /// A full operation class still grants a permit (one without a slot): the adapter's
+    /// limit no longer bounds the calls in flight.
+    PermitLimitIgnored,
 }
 
 impl Break {
-    pub const ALL: [Break; 5] = [
+    pub const ALL: [Break; 7] = [
         Break::CurrentAttemptOnly,
         Break::NewIdentityPerRetry,
         Break::OpaqueRetried,
         Break::ConflictRefused,
         Break::InProgressAsNotFound,
+        Break::LateResultDropped,
+        Break::PermitLimitIgnored,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -148,6 +156,8 @@ impl Break {
             Break::OpaqueRetried => "opaque_retried",
             Break::ConflictRefused => "conflict_refused",
             Break::InProgressAsNotFound => "in_progress_as_not_found",
+            Break::LateResultDropped => "late_result_dropped",
+            Break::PermitLimitIgnored => "permit_limit_ignored",
         }
     }
 }

@@ -305,6 +305,9 @@ pub(crate) async fn acquire_permit_in(
             return Ok(permit);
         }
     }
+    if crate::faults::broken(crate::faults::Break::PermitLimitIgnored) {
+        return permit_without_slot(conn, req).await;
+    }
     let limit: Option<i32> = sqlx::query_scalar(
         "SELECT max_in_flight FROM adapter_limits WHERE adapter = $1 AND operation_class = $2",
     )
@@ -322,6 +325,30 @@ pub(crate) async fn acquire_permit_in(
             limit,
         },
     })
+}
+
+/// The broken build's permit past the limit: counted in the history, holding no slot.
+async fn permit_without_slot(
+    conn: &mut sqlx::PgConnection,
+    req: &PermitRequest<'_>,
+) -> Result<Permit> {
+    tracing::error!(adapter = req.adapter, class = req.operation_class, "fault: a permit past the limit");
+    Ok(sqlx::query_as(concat!(
+        "INSERT INTO adapter_permits (id, adapter, operation_class, attempt_id,
+             request_identity, gateway, expires_at)
+         VALUES ($1, $2, $3, $4, $5, $6, clock_timestamp() + $7::bigint * interval '1 millisecond')
+         RETURNING ",
+        permit_columns!()
+    ))
+    .bind(Uuid::now_v7())
+    .bind(req.adapter)
+    .bind(req.operation_class)
+    .bind(req.attempt.map(|a| a.as_uuid()))
+    .bind(req.request_identity.as_str())
+    .bind(req.gateway)
+    .bind(millis(req.hold))
+    .fetch_one(conn)
+    .await?)
 }
 
 /// How often [`acquire_permit_in`] looks for a free slot before it calls the class full.
