@@ -150,17 +150,16 @@ impl fmt::Display for Fault {
             ),
             Fault::GatewayCrash => write!(f, "6 gateway killed after destination commit"),
             Fault::OversizedReply => write!(f, "6 oversized reply (300 KB)"),
-            Fault::Deadline(d, late) => write!(
-                f,
-                "7 answer just {} the {} deadline",
-                if *late { "after" } else { "before" },
-                match d {
-                    Deadline::Adapter => "adapter",
-                    Deadline::Lease => "lease",
-                    Deadline::Attempt => "attempt",
-                    Deadline::Workflow => "workflow",
-                }
-            ),
+            Fault::Deadline(d, late) => {
+                let when = if *late { "after" } else { "before" };
+                let what = match d {
+                    Deadline::Adapter => "the adapter deadline",
+                    Deadline::Lease => "the lease runs out, its worker stopped",
+                    Deadline::Attempt => "the attempt deadline",
+                    Deadline::Workflow => "the workflow deadline",
+                };
+                write!(f, "7 answer just {when} {what}")
+            }
             Fault::NatsChaos => write!(f, "8 JetStream dup/lost/redelivered, NATS restart"),
             Fault::RecoveryKilled => write!(f, "9 two recoveries, one killed deciding"),
             Fault::Poison => write!(f, "10 poison steps (5xx) in a retry storm"),
@@ -918,11 +917,13 @@ async fn drive(
                     (800, 2_800)
                 }
                 Deadline::Lease => {
+                    // the call may outlive the lease, which binds only once renewals stop:
+                    // the worker is stopped while its call runs (below)
                     p.lease_ms = 3_000;
                     p.renew_every_ms = 1_000;
                     p.attempt_deadline_ms = 12_000;
                     p.adapter_timeout_ms = 10_000;
-                    (1_000, 3_300)
+                    (1_000, 4_500)
                 }
                 Deadline::Attempt => {
                     p.lease_ms = 4_000;
@@ -949,6 +950,22 @@ async fn drive(
             }
             run.submit("target", &target, "target", 1, p, deadline)
                 .await?;
+            if d == Deadline::Lease {
+                // stopped once its request arrived: woken before the answer and the lease's
+                // end, or after both
+                run.wait_for_effect(
+                    "SELECT count(*) FROM destination.requests WHERE route = 'target'",
+                    "the target's request",
+                    Duration::from_secs(20),
+                )
+                .await?;
+                let stopped = Duration::from_millis(if late { 6_000 } else { 1_500 });
+                let worker = run.cluster.process("executor-1").context("executor-1")?;
+                worker.pause()?;
+                tokio::time::sleep(stopped).await;
+                let worker = run.cluster.process("executor-1").context("executor-1")?;
+                worker.resume()?;
+            }
             run.wait_for_effect(
                 "SELECT count(*) FROM destination.ledger WHERE route = 'target'",
                 "the target's effect",

@@ -105,23 +105,30 @@ async fn judge(
     capability: AdapterCapability,
     steps: usize,
 ) -> Result<Ended> {
-    let ids = [id.to_owned()];
-    cluster
-        .wait_all_ended(&ids, Duration::from_secs(60))
-        .await?;
-    let before_review = product_state(&cluster, id).await?;
+    judge_all(cluster, &[id.to_owned()], capability, steps, 16).await
+}
+
+/// [`judge`] over several workflows (the state reported is the first's), under the adapter's
+/// `permit_limit`.
+async fn judge_all(
+    cluster: Cluster,
+    ids: &[String],
+    capability: AdapterCapability,
+    steps: usize,
+    permit_limit: i64,
+) -> Result<Ended> {
+    cluster.wait_all_ended(ids, Duration::from_secs(60)).await?;
+    let before_review = product_state(&cluster, &ids[0]).await?;
     if cluster.resolve_reviews_from_ledger().await? > 0 {
-        cluster
-            .wait_all_ended(&ids, Duration::from_secs(60))
-            .await?;
+        cluster.wait_all_ended(ids, Duration::from_secs(60)).await?;
     }
-    let after_review = product_state(&cluster, id).await?;
+    let after_review = product_state(&cluster, &ids[0]).await?;
     let pool = cluster.db.pool(2).await?;
     let ledger = cluster.ledger_pool().await?;
     let history = History::load(&pool, &ledger).await?;
     let violations = history.check(&Expect {
         capabilities: [("http".to_owned(), capability)].into(),
-        permit_limit: 16,
+        permit_limit,
         min_completed: steps,
     });
     pool.close().await;
@@ -654,4 +661,204 @@ async fn a_review_item_shows_every_attempt_and_decision_z29c_holds() -> Result<(
     assert_eq!(ended.after_review, pb::ProductState::Completed);
     assert!(ended.violations.is_empty(), "{:#?}", ended.violations);
     ended.cluster.stop().await
+}
+
+/// The adapter allows two calls at once. Two executors, each with workers to spare, run
+/// twelve steps whose requests the destination takes 400 ms to process; the destination,
+/// which records when each request arrived and when it was done with it, must never have
+/// been processing more than two at once.
+async fn permit_limit_under_load(broken: Option<Break>) -> Result<Ended> {
+    let cluster = start(
+        Topology {
+            executors: 2,
+            recoveries: 1,
+            permit_limit: 2,
+            ..Topology::default()
+        },
+        broken,
+    )
+    .await?;
+    cluster
+        .set_faults("charge", json!({ "delay_ms": 400 }))
+        .await?;
+    let mut ids = Vec::new();
+    for i in 0..12 {
+        ids.push(submit(&cluster, chain(&format!("limit-{i}"), "charge", 1)).await?);
+    }
+    judge_all(cluster, &ids, AdapterCapability::Idempotent, 12, 2).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_destination_never_processes_more_calls_at_once_than_the_permit_limit() -> Result<()> {
+    let ended = permit_limit_under_load(None).await?;
+    assert!(ended.violations.is_empty(), "{:#?}", ended.violations);
+    ended.cluster.stop().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_checker_catches_a_build_that_ignores_the_permit_limit() -> Result<()> {
+    let ended = permit_limit_under_load(Some(Break::PermitLimitIgnored)).await?;
+    assert!(
+        ended
+            .violations
+            .iter()
+            .any(|v| v.invariant == Invariant::F && v.detail.contains("the destination")),
+        "the destination's own count: {:#?}",
+        ended.violations
+    );
+    ended.cluster.stop().await
+}
+
+/// What became of an answer that arrived after its attempt's lease had moved on.
+struct LateAnswer {
+    ended: Ended,
+    /// The effect's reference, as the destination's ledger has it.
+    effect: String,
+    /// The references among the step's late observations.
+    kept: Vec<String>,
+    /// For an opaque step: the references its review item showed.
+    shown: Vec<String>,
+}
+
+/// A call longer than its lease, whose worker stops renewing. The destination takes 4 s to
+/// process the request; the worker is stopped (SIGSTOP) once the request has arrived, so its
+/// 1.5 s lease runs out and recovery has the step long before the answer comes. The gateway
+/// still holds the call: it keeps the answer, with the effect's reference, as a late
+/// observation. An opaque step's review item shows it; an idempotent step's retry (same key,
+/// by a second executor) and a queryable step's status query complete the step with that
+/// one effect.
+async fn answer_after_the_lease(
+    capability: &'static str,
+    broken: Option<Break>,
+) -> Result<LateAnswer> {
+    let mut cluster = start(
+        Topology {
+            executors: 0,
+            recoveries: 1,
+            capability,
+            env: vec![("Z29C_RECOVERY_LEASE_MS".into(), "1500".into())],
+            ..Topology::default()
+        },
+        broken,
+    )
+    .await?;
+    cluster.add_executor_with(&[]).await?;
+    cluster
+        .set_faults("charge", json!({ "delay_ms": 4_000 }))
+        .await?;
+    let pool = cluster.db.pool(2).await?;
+    let ledger = cluster.ledger_pool().await?;
+    let mut req = chain("after-lease", "charge", 1);
+    req.steps[0].policy = Some(pb::LeasePolicy {
+        adapter_timeout_ms: 8_000,
+        attempt_deadline_ms: 12_000,
+        ..policy(4)
+    });
+    let id = submit(&cluster, req).await?;
+    wait_for(
+        &ledger,
+        "SELECT count(*) FROM destination.requests",
+        "the request to arrive",
+        Duration::from_secs(20),
+    )
+    .await?;
+    let worker = cluster.process("executor-1").context("executor-1")?;
+    worker.pause()?;
+    // the answer is due 4 s after the request arrived; the gateway keeps it late
+    let kept_by = Instant::now() + Duration::from_secs(15);
+    let mut kept: Vec<String> = Vec::new();
+    while kept.is_empty() && Instant::now() < kept_by {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        kept = sqlx::query_scalar(
+            "SELECT external_reference FROM late_observations WHERE external_reference IS NOT NULL",
+        )
+        .fetch_all(&pool)
+        .await?;
+    }
+    let effect: String = sqlx::query_scalar("SELECT reference FROM destination.ledger")
+        .fetch_one(&ledger)
+        .await?;
+    let mut shown = Vec::new();
+    if capability == "opaque" {
+        wait_for(
+            &pool,
+            "SELECT count(*) FROM review_items",
+            "the review item",
+            Duration::from_secs(20),
+        )
+        .await?;
+        let items = cluster
+            .reviews(None)
+            .await?
+            .list(pb::ListReviewsRequest::default())
+            .await?
+            .into_inner()
+            .items;
+        shown = items
+            .iter()
+            .flat_map(|i| &i.evidence)
+            .filter(|e| !e.external_reference.is_empty())
+            .map(|e| e.external_reference.clone())
+            .collect();
+    } else {
+        // the step is another worker's to finish
+        cluster.add_executor_with(&[]).await?;
+    }
+    pool.close().await;
+    ledger.close().await;
+    let capability_parsed = capability.parse().map_err(anyhow::Error::msg)?;
+    let mut ended = judge(cluster, &id, capability_parsed, 1).await?;
+    ended
+        .cluster
+        .process("executor-1")
+        .context("executor-1")?
+        .resume()?;
+    Ok(LateAnswer {
+        ended,
+        effect,
+        kept,
+        shown,
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_after_the_lease_moved_on_is_kept_with_its_reference() -> Result<()> {
+    for capability in ["opaque", "idempotent", "queryable"] {
+        let late = answer_after_the_lease(capability, None).await?;
+        let ended = &late.ended;
+        assert!(ended.violations.is_empty(), "{capability}: {:#?}", ended.violations);
+        assert_eq!(
+            late.kept,
+            vec![late.effect.clone()],
+            "{capability}: the gateway kept the late answer with the effect's reference"
+        );
+        if capability == "opaque" {
+            assert_eq!(ended.before_review, pb::ProductState::NeedsReview);
+            assert!(
+                late.shown.contains(&late.effect),
+                "the review item shows the late answer: {:?}",
+                late.shown
+            );
+        } else {
+            assert_eq!(
+                ended.before_review,
+                pb::ProductState::Completed,
+                "{capability}: completed without a person"
+            );
+        }
+        late.ended.cluster.stop().await?;
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_scenario_catches_a_build_that_drops_a_late_answer() -> Result<()> {
+    let late = answer_after_the_lease("opaque", Some(Break::LateResultDropped)).await?;
+    assert!(late.kept.is_empty(), "the broken build kept {:?}", late.kept);
+    assert!(
+        !late.shown.contains(&late.effect),
+        "the review item cannot show what was dropped: {:?}",
+        late.shown
+    );
+    late.ended.cluster.stop().await
 }
