@@ -1081,7 +1081,10 @@ mod tests {
         // one of them finished before the ninth arrived: eight at most
         h.requests[0].finished_at = Some(at(50));
         let found = h.check(&expect());
-        assert!(!found.iter().any(|v| v.invariant == Invariant::F), "{found:?}");
+        assert!(
+            !found.iter().any(|v| v.invariant == Invariant::F),
+            "{found:?}"
+        );
     }
 
     #[test]
@@ -1106,7 +1109,10 @@ mod tests {
             permit_limit: 1,
             ..expect()
         });
-        assert!(!found.iter().any(|v| v.invariant == Invariant::F), "{found:?}");
+        assert!(
+            !found.iter().any(|v| v.invariant == Invariant::F),
+            "{found:?}"
+        );
         // the same requests, their permits still counting: nine at once
         for p in &mut h.permits {
             p.until = at(5_000);
@@ -1115,6 +1121,9 @@ mod tests {
             permit_limit: 1,
             ..expect()
         });
-        assert!(found.iter().any(|v| v.invariant == Invariant::F), "{found:?}");
+        assert!(
+            found.iter().any(|v| v.invariant == Invariant::F),
+            "{found:?}"
+        );
     }
 }

@@ -215,6 +215,50 @@ impl PrivatePostgres {
         Ok(())
     }
 
+    /// The WAL writer's process id.
+    pub async fn wal_writer(&self) -> Result<i32> {
+        let pool = sqlx::PgPool::connect(&self.admin_url()).await?;
+        let pid =
+            sqlx::query_scalar("SELECT pid FROM pg_stat_activity WHERE backend_type = 'walwriter'")
+                .fetch_one(&pool)
+                .await
+                .context("no WAL writer")?;
+        pool.close().await;
+        Ok(pid)
+    }
+
+    /// Stops the WAL writer (SIGSTOP) and returns its process id. From then on a commit that
+    /// does not wait for the disk (`synchronous_commit = off`) stays in PostgreSQL's memory
+    /// until a commit that waits writes it out with its own, so a crash loses it.
+    pub async fn stop_wal_writer(&self) -> Result<i32> {
+        let pid = self.wal_writer().await?;
+        signal(pid, "-STOP")?;
+        Ok(pid)
+    }
+
+    /// Kills the stopped WAL writer `pid` (SIGKILL). The postmaster takes a child's death for
+    /// a crash: every backend stops at once, writing nothing, and the server restarts from
+    /// what is on disk, so what only its memory held is lost, as in a power cut. Returns once
+    /// the server answers again with a new WAL writer.
+    pub async fn crash_losing_unwritten_wal(&self, pid: i32) -> Result<()> {
+        signal(pid, "-KILL")?;
+        let start = Instant::now();
+        loop {
+            if let Ok(now) = self.wal_writer().await
+                && now != pid
+            {
+                return Ok(());
+            }
+            if start.elapsed() > Duration::from_secs(30) {
+                bail!(
+                    "PostgreSQL on {} did not restart after its WAL writer died",
+                    self.port
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
     /// When the running postmaster started.
     async fn started_at(&self) -> Result<chrono::DateTime<chrono::Utc>> {
         let pool = sqlx::PgPool::connect(&self.admin_url()).await?;
@@ -311,4 +355,17 @@ impl PrivateNats {
         }
         let _ = std::fs::remove_dir_all(&self.dir);
     }
+}
+
+/// Sends `sig` (`-STOP`, `-KILL`, …) to process `pid`.
+fn signal(pid: i32, sig: &str) -> Result<()> {
+    let ok = std::process::Command::new("kill")
+        .arg(sig)
+        .arg(pid.to_string())
+        .status()?
+        .success();
+    if !ok {
+        bail!("kill {sig} {pid} failed");
+    }
+    Ok(())
 }

@@ -826,7 +826,11 @@ async fn an_answer_after_the_lease_moved_on_is_kept_with_its_reference() -> Resu
     for capability in ["opaque", "idempotent", "queryable"] {
         let late = answer_after_the_lease(capability, None).await?;
         let ended = &late.ended;
-        assert!(ended.violations.is_empty(), "{capability}: {:#?}", ended.violations);
+        assert!(
+            ended.violations.is_empty(),
+            "{capability}: {:#?}",
+            ended.violations
+        );
         assert_eq!(
             late.kept,
             vec![late.effect.clone()],
@@ -854,7 +858,11 @@ async fn an_answer_after_the_lease_moved_on_is_kept_with_its_reference() -> Resu
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_scenario_catches_a_build_that_drops_a_late_answer() -> Result<()> {
     let late = answer_after_the_lease("opaque", Some(Break::LateResultDropped)).await?;
-    assert!(late.kept.is_empty(), "the broken build kept {:?}", late.kept);
+    assert!(
+        late.kept.is_empty(),
+        "the broken build kept {:?}",
+        late.kept
+    );
     assert!(
         !late.shown.contains(&late.effect),
         "the review item cannot show what was dropped: {:?}",

@@ -287,8 +287,9 @@ impl Gateway {
             request_identity: &identity,
             gateway: &self.config.id,
             // a call may outlive its lease: its permit holds until the call's own deadline
-            hold: Duration::from_millis(adapter.permit_hold_ms)
-                .max(deadline.saturating_duration_since(tokio::time::Instant::now()) + ANSWER_RESERVE),
+            hold: Duration::from_millis(adapter.permit_hold_ms).max(
+                deadline.saturating_duration_since(tokio::time::Instant::now()) + ANSWER_RESERVE,
+            ),
         };
         let permit = match self
             .take_permit(adapter, lease.as_ref(), &permit_req, carried)

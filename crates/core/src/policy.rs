@@ -480,7 +480,10 @@ mod tests {
                 ..d
             }
             .call_budget();
-            assert_eq!(got, want, "attempt {attempt_left:?}, workflow {workflow_left:?}");
+            assert_eq!(
+                got, want,
+                "attempt {attempt_left:?}, workflow {workflow_left:?}"
+            );
         }
     }
 

@@ -33,6 +33,8 @@ pub struct Context {
     pub stop: CancellationToken,
     #[cfg(feature = "faults")]
     pub stall_after_response: Duration,
+    #[cfg(feature = "faults")]
+    pub stall_after_claim: Duration,
 }
 
 /// A worker's hold on the step it runs: its worker slot (one call in flight per worker) and
@@ -113,6 +115,15 @@ async fn attempt(
     // the claim created the attempt with its request identity, in one transaction
     crash_if_armed(CrashPoint::after(Checkpoint::AttemptCreated));
     crash_if_armed(CrashPoint::after(Checkpoint::RequestIdentityPersisted));
+    #[cfg(feature = "faults")]
+    if !ctx.stall_after_claim.is_zero() {
+        tracing::warn!(
+            attempt = %lease.attempt,
+            ms = ctx.stall_after_claim.as_millis() as u64,
+            "fault: stalling after the claim"
+        );
+        tokio::time::sleep(ctx.stall_after_claim).await;
+    }
 
     // safe boundary: nothing has been sent yet
     if ctx.stop.is_cancelled() {
@@ -125,7 +136,9 @@ async fn attempt(
             .await;
     };
     let Some(budget) = deadlines(step, claimed_at).call_budget() else {
-        tracing::warn!("no time left for a call before the attempt's deadline; giving the step back");
+        tracing::warn!(
+            "no time left for a call before the attempt's deadline; giving the step back"
+        );
         return store.release_unbegun(lease).await;
     };
     // The gateway commits *invocation began* under this lease, with its permit, right before

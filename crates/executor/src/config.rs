@@ -59,6 +59,11 @@ pub struct ExecutorConfig {
     /// answered and before committing, as a paused process would.
     #[cfg(feature = "faults")]
     pub fault_stall_after_response_ms: u64,
+    /// Fault injection (only with the `faults` feature): stall this long after each claim,
+    /// before anything else (a window in which the claim's commit, made without waiting for
+    /// the disk, can be lost in a PostgreSQL crash).
+    #[cfg(feature = "faults")]
+    pub fault_stall_after_claim_ms: u64,
     /// Fault injection (only with the `faults` feature): abort the process at this point of
     /// the attempt protocol, e.g. `before_invocation_began` or `after_receipt_committed`, as a
     /// crash at that line would.
@@ -95,6 +100,8 @@ impl Default for ExecutorConfig {
             tls: Default::default(),
             #[cfg(feature = "faults")]
             fault_stall_after_response_ms: 0,
+            #[cfg(feature = "faults")]
+            fault_stall_after_claim_ms: 0,
             #[cfg(feature = "faults")]
             fault_crash: None,
             #[cfg(feature = "faults")]

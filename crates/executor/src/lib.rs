@@ -172,6 +172,10 @@ pub async fn run(config: ExecutorConfig, shutdown: CancellationToken) -> anyhow:
                             stall_after_response: Duration::from_millis(
                                 config.fault_stall_after_response_ms,
                             ),
+                            #[cfg(feature = "faults")]
+                            stall_after_claim: Duration::from_millis(
+                                config.fault_stall_after_claim_ms,
+                            ),
                         };
                         let (wake, backlog, slots, ahead_on, recording) = (
                             wake.clone(),

@@ -190,8 +190,11 @@ async fn claim_in(
 }
 
 /// The statement of [`Store::mark_outbox_sent`], on the caller's transaction.
+/// The statement of [`Store::mark_outbox_sent`]. A mark may be lost with the commit that did
+/// not wait for the disk; a workflow's completion, once a client may have read it, may not:
+/// when the statement completed a workflow, its transaction's `COMMIT` waits for the disk.
 async fn mark_sent_in(conn: &mut PgConnection, ids: &[i64]) -> Result<u64> {
-    Ok(sqlx::query_scalar(
+    let (sent, completed): (i64, i64) = sqlx::query_as(
         "WITH sent AS (
              DELETE FROM outbox WHERE id = ANY($1)
              RETURNING workflow_id, kind
@@ -208,13 +211,18 @@ async fn mark_sent_in(conn: &mut PgConnection, ids: &[i64]) -> Result<u64> {
              SELECT $3 || '-' || z29c_uuid_v7()::text, $3, id, NULL, $4, trace_context
              FROM done
          )
-         SELECT count(*) FROM sent",
+         SELECT (SELECT count(*) FROM sent), (SELECT count(*) FROM done)",
     )
     .bind(ids)
     .bind(MessageKind::StepCompleted.as_str())
     .bind(MessageKind::WorkflowChanged.as_str())
     .bind(serde_json::json!({ "state": WorkflowState::Completed.as_str() }))
-    .fetch_one(conn)
-    .await
-    .map(|n: i64| n as u64)?)
+    .fetch_one(&mut *conn)
+    .await?;
+    if completed > 0 {
+        sqlx::query("SET LOCAL synchronous_commit = on")
+            .execute(&mut *conn)
+            .await?;
+    }
+    Ok(sent as u64)
 }

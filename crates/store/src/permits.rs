@@ -332,7 +332,11 @@ async fn permit_without_slot(
     conn: &mut sqlx::PgConnection,
     req: &PermitRequest<'_>,
 ) -> Result<Permit> {
-    tracing::error!(adapter = req.adapter, class = req.operation_class, "fault: a permit past the limit");
+    tracing::error!(
+        adapter = req.adapter,
+        class = req.operation_class,
+        "fault: a permit past the limit"
+    );
     Ok(sqlx::query_as(concat!(
         "INSERT INTO adapter_permits (id, adapter, operation_class, attempt_id,
              request_identity, gateway, expires_at)
