@@ -141,6 +141,10 @@ pub struct SoakReport {
     /// Review items resolved at the end the way a person would, from the destination's records.
     pub resolved_by_a_person: usize,
     pub tally: Tally,
+    /// Idempotent and queryable steps that ended failed or in review. Every fault of the
+    /// soak heals, and such a step can always be retried or asked about, so each must
+    /// complete (a step cancelled because another step of its workflow failed is not one).
+    pub retriable_not_completed: Vec<String>,
     pub violations: Vec<Violation>,
 }
 
@@ -332,6 +336,17 @@ async fn soak_on(
         }
         progress(format!("history and logs kept in {}", keep.display()));
     }
+    let retriable_not_completed = history
+        .steps
+        .iter()
+        .filter(|st| {
+            matches!(
+                expect.capabilities.get(&st.adapter),
+                Some(AdapterCapability::Idempotent | AdapterCapability::Queryable)
+            ) && matches!(st.state.as_str(), "failed" | "needs_review")
+        })
+        .map(|st| format!("{}/{} ({}): {}", st.client_key, st.name, st.adapter, st.state))
+        .collect();
     let client_history_violations = check_client_history(&pool, &told).await?;
     let count = |f: fn(&Action) -> bool| landed.iter().filter(|a| f(a)).count();
     let report = SoakReport {
@@ -353,6 +368,7 @@ async fn soak_on(
         }),
         destination_faults: count(|a| matches!(a, Action::Destination { .. })),
         tally: history.tally(),
+        retriable_not_completed,
         violations,
     };
     pool.close().await;
@@ -523,7 +539,8 @@ impl SoakReport {
         format!(
             "seed {} · {} s · {} workflows ({} steps, {} submissions refused, {} sent to the \
              other scheduler): {} completed, \
-             {} failed, {} in review ({} resolved from the destination's records) · \
+             {} failed ({} of them idempotent or queryable), {} in review ({} resolved from \
+             the destination's records) · \
              {} faults landed ({} kills, {} pauses, {} of a scheduler, {} destination faults) · \
              {} recoveries, {} late observations, {} external effects · violations: {}",
             self.seed,
@@ -534,6 +551,7 @@ impl SoakReport {
             self.failovers,
             self.tally.completed,
             self.tally.failed,
+            self.retriable_not_completed.len(),
             self.tally.in_review,
             self.resolved_by_a_person,
             self.faults,

@@ -40,6 +40,11 @@ async fn a_short_seeded_soak_finds_no_violation() -> Result<()> {
     );
     assert!(report.tally.completed > 0, "nothing completed");
     assert!(
+        report.retriable_not_completed.is_empty(),
+        "idempotent and queryable steps must complete once every fault healed: {:?}",
+        report.retriable_not_completed
+    );
+    assert!(
         report.violations.is_empty(),
         "violations: {:#?}",
         report.violations
