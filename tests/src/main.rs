@@ -212,10 +212,9 @@ struct BenchArgs {
     concurrency: Vec<usize>,
     #[arg(long, default_value_t = 3)]
     rounds: usize,
-    /// Systems to run besides pgbench, comma-separated: z29c, z29c-grouped (group commit
-    /// on), z29c-eager (every write its own commit, permit releases included),
-    /// graphile-worker, pg-boss.
-    #[arg(long, value_delimiter = ',', default_values_t = ["z29c".to_owned(), "z29c-grouped".to_owned(), "graphile-worker".to_owned(), "pg-boss".to_owned()])]
+    /// Systems to run besides pgbench, comma-separated: z29c, z29c-eager (every write its
+    /// own commit, permit releases included), graphile-worker, pg-boss.
+    #[arg(long, value_delimiter = ',', default_values_t = ["z29c".to_owned(), "graphile-worker".to_owned(), "pg-boss".to_owned()])]
     systems: Vec<String>,
     /// Parts to run, comma-separated: drain, latency, reclaim, growth, steady.
     #[arg(long, value_delimiter = ',', default_values_t = ["drain".to_owned(), "latency".to_owned(), "reclaim".to_owned(), "growth".to_owned(), "steady".to_owned()])]
@@ -314,7 +313,7 @@ async fn bench_on(a: BenchArgs) -> Result<()> {
             "graphile-worker" => peers_wanted.push(Peer::GraphileWorker),
             "pg-boss" => peers_wanted.push(Peer::PgBoss),
             other => bail!(
-                "--systems: unknown system {other:?} (z29c, z29c-grouped, z29c-eager, graphile-worker, pg-boss)"
+                "--systems: unknown system {other:?} (z29c, z29c-eager, graphile-worker, pg-boss)"
             ),
         }
     }

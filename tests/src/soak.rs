@@ -345,7 +345,12 @@ async fn soak_on(
                 Some(AdapterCapability::Idempotent | AdapterCapability::Queryable)
             ) && matches!(st.state.as_str(), "failed" | "needs_review")
         })
-        .map(|st| format!("{}/{} ({}): {}", st.client_key, st.name, st.adapter, st.state))
+        .map(|st| {
+            format!(
+                "{}/{} ({}): {}",
+                st.client_key, st.name, st.adapter, st.state
+            )
+        })
         .collect();
     let client_history_violations = check_client_history(&pool, &told).await?;
     let count = |f: fn(&Action) -> bool| landed.iter().filter(|a| f(a)).count();

@@ -35,18 +35,10 @@ pub struct GatewayConfig {
     pub health_listen: Option<std::net::SocketAddr>,
     /// Where `/metrics` is served (Prometheus), if anywhere.
     pub metrics_listen: Option<SocketAddr>,
-    /// Group commit: permits taken and released by concurrent calls share transactions (a
-    /// group locks the adapter's limit once). Off: one transaction each.
-    pub group_commit: bool,
-    /// Connections committing groups at once.
-    pub committers: usize,
-    /// Most permit writes in one group.
-    pub max_group: usize,
     /// Invocation batching: *invocation began* and the permits of calls that arrive together
     /// share one statement, up to this many (each call fenced on its own; a call that
     /// statement cannot take, such as one whose lease is not current or whose class is full,
     /// takes its own transaction, which says why). 1: off, every call is its own transaction.
-    /// Ignored under group commit.
     pub invocation_batch: usize,
     /// Connections writing shared invocation statements at once (a pool of their own, beside
     /// `max_connections`).
@@ -87,9 +79,6 @@ impl Default for GatewayConfig {
             max_calls: 256,
             health_listen: None,
             metrics_listen: None,
-            group_commit: false,
-            committers: 1,
-            max_group: 64,
             invocation_batch: 32,
             invocation_committers: 2,
             release_linger_ms: 5,

@@ -24,6 +24,7 @@ use tokio_util::sync::CancellationToken;
 use z29c_bus::{AdapterRecord, Bus, GatewayRecord};
 use z29c_proto::v1::adapter_gateway_server::AdapterGatewayServer;
 use z29c_store::Store;
+use z29c_store::invocations::InvocationPath;
 
 pub use config::{AdapterConfig, GatewayConfig};
 
@@ -119,17 +120,18 @@ pub async fn run(
     )
     .await?;
     // invocation batching, when on: calls arriving together begin in shared statements, on a
-    // pool whose sessions never plan a sequential scan (group commit covers them itself)
-    let invocations = match !config.group_commit && config.invocation_batch > 1 {
-        true => Some(z29c_store::invocations::InvocationBatches::start(
+    // pool whose sessions never plan a sequential scan
+    let invocations = if config.invocation_batch > 1 {
+        InvocationPath::Batched(z29c_store::invocations::InvocationBatches::start(
             &Store::connect_committers(&config.database_url, config.invocation_committers)
                 .await
                 .context("connect the invocation committers to PostgreSQL")?,
             &store,
             config.invocation_committers,
             config.invocation_batch,
-        )),
-        false => None,
+        ))
+    } else {
+        InvocationPath::Direct(store.clone())
     };
     let service = service::Gateway::new(config.clone(), store, invocations);
     // stopped after the server, which lets calls in flight finish first: their permits are

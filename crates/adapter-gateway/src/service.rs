@@ -17,9 +17,8 @@ use z29c_proto::v1::{
     QueryResponse, invoke_response, query_response,
 };
 use z29c_runtime::status_from_store;
-use z29c_store::batch::GroupCommit;
 use z29c_store::faults::{CrashPoint, crash_if_armed};
-use z29c_store::invocations::InvocationBatches;
+use z29c_store::invocations::InvocationPath;
 use z29c_store::leases::{Observation, Observed};
 use z29c_store::permits::{EndedPermit, Permit, PermitRequest};
 use z29c_store::{Store, StoreError};
@@ -38,10 +37,8 @@ const PERMIT_RETRY: Duration = Duration::from_millis(200);
 pub struct Gateway {
     config: GatewayConfig,
     store: Store,
-    /// Group commit for permits, when on.
-    commits: Option<GroupCommit>,
-    /// Shared statements for *invocation began*, when on (and group commit is off).
-    invocations: Option<InvocationBatches>,
+    /// How *invocation began* commits with its permit: each alone, or batched.
+    invocations: InvocationPath,
     client: reqwest::Client,
     /// This instance's own capacity: calls it runs at once (`max_calls`). The adapter's
     /// permit limit bounds all instances together; this bounds one, so another instance adds
@@ -57,19 +54,11 @@ pub struct Gateway {
 }
 
 impl Gateway {
-    pub fn new(
-        config: GatewayConfig,
-        store: Store,
-        invocations: Option<InvocationBatches>,
-    ) -> Self {
-        let commits = config
-            .group_commit
-            .then(|| GroupCommit::start(&store, config.committers, config.max_group));
+    pub fn new(config: GatewayConfig, store: Store, invocations: InvocationPath) -> Self {
         let calls = Arc::new(Semaphore::new(config.max_calls.max(1)));
         Self {
             config,
             store,
-            commits,
             invocations,
             client: reqwest::Client::new(),
             calls,
@@ -131,11 +120,7 @@ impl Gateway {
             }
             let ended = self.take_ended();
             if !ended.permits.is_empty() {
-                let released = match &self.commits {
-                    Some(g) => g.release_permits(&ended.permits).await,
-                    None => self.store.release_permits(&ended.permits).await,
-                };
-                if let Err(e) = released {
+                if let Err(e) = self.store.release_permits(&ended.permits).await {
                     // their holds run out by themselves; until then they count, which is safe
                     tracing::warn!(error = %e, permits = ended.permits.len(), "permit release failed; retrying");
                     if !stopping {
@@ -394,10 +379,7 @@ impl Gateway {
                 });
                 Ok(())
             }
-            Some(reason) => match &self.commits {
-                Some(g) => g.release_permit(permit.id, reason).await,
-                None => self.store.release_permit(permit.id, reason).await,
-            },
+            Some(reason) => self.store.release_permit(permit.id, reason).await,
             None => {
                 self.store
                     .hold_permit_unknown(permit.id, Duration::from_millis(adapter.safety_window_ms))
@@ -429,24 +411,20 @@ impl Gateway {
         let _released = CarriedBack(self, &mut carried);
         let carried = &mut *_released.1;
         for _ in 0..2 {
-            let taken = match (&self.commits, lease) {
-                (commits, Some(l)) => {
+            let taken = match lease {
+                Some(l) => {
                     let ended = &carried.permits;
-                    let taken = match (commits, &self.invocations) {
-                        (Some(g), _) => g.begin_invocation_with_permit(l, req, ended).await,
-                        (None, Some(b)) => b.begin_invocation_with_permit(l, req, ended).await,
-                        (None, None) => {
-                            self.store.begin_invocation_with_permit(l, req, ended).await
-                        }
-                    };
+                    let taken = self
+                        .invocations
+                        .begin_invocation_with_permit(l, req, ended)
+                        .await;
                     if taken.is_ok() {
                         // released: their capacity comes back as this returns
                         carried.permits.clear();
                     }
                     taken.map(|t| t.0)
                 }
-                (Some(g), None) => g.acquire_permit(req).await,
-                (None, None) => self.store.acquire_permit(req).await,
+                None => self.store.acquire_permit(req).await,
             };
             match taken {
                 Ok(p) => return Ok(Taken::Permit(p)),

@@ -11,10 +11,9 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 use z29c_core::{Checkpoint, Deadlines, ExternalReference, FenceReason, Outcome};
 use z29c_proto::v1::{InvokeRequest, invoke_response};
-use z29c_store::batch::GroupCommit;
 use z29c_store::faults::{CrashPoint, crash_if_armed};
 use z29c_store::leases::{ClaimedStep, CommitOutcome, Observed};
-use z29c_store::receipts::ReceiptBatches;
+use z29c_store::receipts::ReceiptPath;
 use z29c_store::{Store, StoreError};
 use z29c_telemetry::metrics::counter;
 
@@ -24,10 +23,8 @@ use z29c_bus::gateways::Gateways;
 #[derive(Debug, Clone)]
 pub struct Context {
     pub store: Store,
-    /// Group commit for checkpoints and receipts, when on.
-    pub commits: Option<GroupCommit>,
-    /// Shared receipt statements, when group commit is off.
-    pub receipts: Option<ReceiptBatches>,
+    /// How receipts commit: each alone, or batched.
+    pub receipts: ReceiptPath,
     pub gateways: Gateways,
     /// Cancelled at shutdown: attempts that have not begun their invocation give the step back.
     pub stop: CancellationToken,
@@ -241,12 +238,12 @@ async fn attempt(
         Some(invoke_response::Outcome::Succeeded(s)) => {
             let result = serde_json::from_str(&s.result_json).unwrap_or(Value::Null);
             let o = observed(Outcome::Succeeded, Some(s.external_reference), result);
-            report(commit_or_keep_late(ctx, step, &o).await?);
+            report(ctx.receipts.commit_or_keep_late(&step.lease, &o).await?);
         }
         Some(invoke_response::Outcome::Rejected(r)) => {
             let result = serde_json::json!({ "status": r.status, "reason": r.reason });
             let o = observed(Outcome::Failed, None, result);
-            report(commit_or_keep_late(ctx, step, &o).await?);
+            report(ctx.receipts.commit_or_keep_late(&step.lease, &o).await?);
         }
         Some(invoke_response::Outcome::RateLimited(r)) => {
             store
@@ -274,21 +271,6 @@ async fn attempt(
         }
     }
     Ok(())
-}
-
-async fn commit_or_keep_late(
-    ctx: &Context,
-    step: &ClaimedStep,
-    observed: &Observed,
-) -> Result<CommitOutcome, StoreError> {
-    match (&ctx.commits, &ctx.receipts) {
-        (Some(g), _) => {
-            g.commit_or_keep_late(&ctx.store, step.workflow.as_uuid(), &step.lease, observed)
-                .await
-        }
-        (None, Some(r)) => r.commit_or_keep_late(&step.lease, observed).await,
-        (None, None) => ctx.store.commit_or_keep_late(&step.lease, observed).await,
-    }
 }
 
 fn report(outcome: CommitOutcome) {

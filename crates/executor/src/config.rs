@@ -31,17 +31,10 @@ pub struct ExecutorConfig {
     /// waits up to this long for others before claiming, until a quarter of the pool is free:
     /// one claim transaction then serves several steps instead of one. 0 claims at once.
     pub claim_gather_ms: u64,
-    /// Group commit: the checkpoints and receipts of concurrently running attempts share
-    /// transactions (each fenced on its own, in a savepoint). Off: one transaction each.
-    pub group_commit: bool,
-    /// Connections committing groups at once.
-    pub committers: usize,
-    /// Most writes in one group.
-    pub max_group: usize,
     /// Receipt batching: receipts of attempts that finish together share one statement, up to
     /// this many (each row fenced on its own; a receipt that statement cannot take, such as a
     /// failure or one with dependents, takes its own transaction). 1: off, every receipt is its
-    /// own transaction. Ignored under group commit, which covers receipts.
+    /// own transaction.
     pub receipt_batch: usize,
     /// Connections writing shared receipt statements at once (a pool of their own, beside
     /// `max_connections`).
@@ -89,9 +82,6 @@ impl Default for ExecutorConfig {
             claim_ahead: None,
             poll_ms: 500,
             claim_gather_ms: 5,
-            group_commit: false,
-            committers: 2,
-            max_group: 64,
             receipt_batch: 32,
             receipt_committers: 2,
             shutdown_grace_ms: 10_000,

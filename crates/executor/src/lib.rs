@@ -37,6 +37,7 @@ use z29c_bus::{Bus, Topic};
 use z29c_core::OwnerId;
 use z29c_store::Store;
 use z29c_store::audit::PoisonMessage;
+use z29c_store::receipts::ReceiptPath;
 
 pub use config::ExecutorConfig;
 
@@ -80,21 +81,19 @@ pub async fn run(config: ExecutorConfig, shutdown: CancellationToken) -> anyhow:
         .await?;
     }
     let gateways = z29c_bus::gateways::Gateways::new(bus.clone(), config.tls.clone());
-    let commits = config.group_commit.then(|| {
-        z29c_store::batch::GroupCommit::start(&store, config.committers, config.max_group)
-    });
-    // receipt batching, when on: receipts finishing together share statements (group commit
-    // covers receipts itself)
-    let receipts = match !config.group_commit && config.receipt_batch > 1 {
-        true => Some(z29c_store::receipts::ReceiptBatches::start(
+    // how receipts commit, chosen here once: receipts finishing together share statements
+    // when batching is on
+    let receipts = if config.receipt_batch > 1 {
+        ReceiptPath::Batched(z29c_store::receipts::ReceiptBatches::start(
             &Store::connect_committers(&config.database_url, config.receipt_committers)
                 .await
                 .context("connect the receipt committers to PostgreSQL")?,
             &store,
             config.receipt_committers,
             config.receipt_batch,
-        )),
-        false => None,
+        ))
+    } else {
+        ReceiptPath::Direct(store.clone())
     };
     let wake = Arc::new(Notify::new());
     let hints = tokio::spawn(listen_for_hints(
@@ -164,7 +163,6 @@ pub async fn run(config: ExecutorConfig, shutdown: CancellationToken) -> anyhow:
                         let held = leases.clone().acquire_owned().await?;
                         let ctx = attempt::Context {
                             store: store.clone(),
-                            commits: commits.clone(),
                             receipts: receipts.clone(),
                             gateways: gateways.clone(),
                             stop: attempts_token.clone(),

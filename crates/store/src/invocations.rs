@@ -282,7 +282,7 @@ struct BeganRow {
 /// A call waiting for the next shared statement.
 struct Waiting {
     claim: LeaseClaim,
-    permit: crate::batch::OwnedPermitRequest,
+    permit: crate::permits::OwnedPermitRequest,
     ended: Vec<EndedPermit>,
 }
 
@@ -353,7 +353,7 @@ impl InvocationBatches {
         if eligible(claim, req) {
             let waiting = Waiting {
                 claim: claim.clone(),
-                permit: crate::batch::OwnedPermitRequest::from(req),
+                permit: crate::permits::OwnedPermitRequest::from(req),
                 ended: ended.to_vec(),
             };
             if let Some(answer) = self.shared.ask(waiting).await {
@@ -368,5 +368,33 @@ impl InvocationBatches {
         self.store
             .begin_invocation_with_permit(claim, req, ended)
             .await
+    }
+}
+
+/// How a gateway begins its invocations (with their permits), chosen once from its
+/// configuration: each in a transaction of its own, or in shared statements with the calls
+/// arriving beside it. Either begins exactly what the other would.
+#[derive(Debug, Clone)]
+pub enum InvocationPath {
+    Direct(Store),
+    Batched(InvocationBatches),
+}
+
+impl InvocationPath {
+    /// [`Store::begin_invocation_with_permit`], on this path.
+    pub async fn begin_invocation_with_permit(
+        &self,
+        claim: &LeaseClaim,
+        req: &PermitRequest<'_>,
+        ended: &[EndedPermit],
+    ) -> Result<(Permit, i64)> {
+        match self {
+            Self::Direct(store) => store.begin_invocation_with_permit(claim, req, ended).await,
+            Self::Batched(batches) => {
+                batches
+                    .begin_invocation_with_permit(claim, req, ended)
+                    .await
+            }
+        }
     }
 }

@@ -1110,8 +1110,7 @@ pub(crate) async fn stop_unstarted_steps(
     Ok(())
 }
 
-/// The statements of [`Store::begin_invocation`], on the caller's transaction (alone, or a shared
-/// one: [`crate::batch::GroupCommit`]).
+/// The statements of [`Store::begin_invocation`], on the caller's transaction.
 pub(crate) async fn begin_invocation_in(
     conn: &mut PgConnection,
     claim: &LeaseClaim,
@@ -1129,8 +1128,7 @@ pub(crate) async fn begin_invocation_in(
     Ok(held.checkpoint_version)
 }
 
-/// The statements of [`Store::commit_receipt`], on the caller's transaction (alone, or a shared
-/// one: [`crate::batch::GroupCommit`]).
+/// The statements of [`Store::commit_receipt`], on the caller's transaction.
 pub(crate) async fn commit_receipt_in(
     conn: &mut PgConnection,
     claim: &LeaseClaim,

@@ -17,12 +17,10 @@
 //! - [`permits`]: adapter concurrency permits; called by the gateway alone.
 //! - [`receipts`], [`invocations`]: receipts, and *invocation began* with its permit, of many
 //!   attempts in one statement, each fenced on its own (the executor's and gateway's batching).
-//! - [`batch`]: group commit, fenced writes of concurrent attempts sharing one `COMMIT`.
 //! - [`audit`]: the public services' audit log and refused (poison) NATS messages.
 //! - [`maintenance`]: vacuuming z29c's tables where no autovacuum will.
 
 pub mod audit;
-pub mod batch;
 pub mod error;
 pub mod events;
 pub mod faults;

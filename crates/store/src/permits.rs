@@ -273,7 +273,7 @@ impl Store {
 }
 
 /// The statements of [`Store::begin_invocation_with_permit`], on the caller's transaction
-/// (alone, or a shared one: [`crate::batch::GroupCommit`]). The fence comes first: it locks
+/// (alone, or a batch's shared one). The fence comes first: it locks
 /// the step row, so a permit is only ever taken under a current lease.
 pub(crate) async fn begin_invocation_with_permit_in(
     conn: &mut sqlx::PgConnection,
@@ -290,7 +290,7 @@ pub(crate) async fn begin_invocation_with_permit_in(
 }
 
 /// The statement of [`Store::acquire_permit`], on the caller's connection or transaction
-/// (alone, or a shared one: [`crate::batch::GroupCommit`]). Within one transaction, a permit
+/// (alone, or a batch's shared one). Within one transaction, a permit
 /// taken earlier holds its slot against a later one.
 pub(crate) async fn acquire_permit_in(
     conn: &mut sqlx::PgConnection,
@@ -442,4 +442,38 @@ pub(crate) async fn release_permit_in(
     .execute(conn)
     .await?;
     Ok(())
+}
+
+/// A [`PermitRequest`] that can move into a write.
+pub(crate) struct OwnedPermitRequest {
+    adapter: String,
+    operation_class: String,
+    attempt: Option<AttemptId>,
+    request_identity: RequestIdentity,
+    gateway: String,
+    hold: Duration,
+}
+
+impl OwnedPermitRequest {
+    pub(crate) fn from(req: &PermitRequest<'_>) -> Self {
+        Self {
+            adapter: req.adapter.to_owned(),
+            operation_class: req.operation_class.to_owned(),
+            attempt: req.attempt,
+            request_identity: req.request_identity.clone(),
+            gateway: req.gateway.to_owned(),
+            hold: req.hold,
+        }
+    }
+
+    pub(crate) fn borrow(&self) -> PermitRequest<'_> {
+        PermitRequest {
+            adapter: &self.adapter,
+            operation_class: &self.operation_class,
+            attempt: self.attempt,
+            request_identity: &self.request_identity,
+            gateway: &self.gateway,
+            hold: self.hold,
+        }
+    }
 }

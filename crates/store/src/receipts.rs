@@ -269,3 +269,26 @@ impl ReceiptBatches {
         self.store.commit_or_keep_late(claim, observed).await
     }
 }
+
+/// How an executor commits its receipts, chosen once from its configuration: each in a
+/// transaction of its own, or in shared statements with the receipts finishing beside it.
+/// Either commits exactly what the other would, and keeps a refused receipt as late evidence.
+#[derive(Debug, Clone)]
+pub enum ReceiptPath {
+    Direct(Store),
+    Batched(ReceiptBatches),
+}
+
+impl ReceiptPath {
+    /// [`Store::commit_or_keep_late`], on this path.
+    pub async fn commit_or_keep_late(
+        &self,
+        claim: &LeaseClaim,
+        observed: &Observed,
+    ) -> Result<CommitOutcome> {
+        match self {
+            Self::Direct(store) => store.commit_or_keep_late(claim, observed).await,
+            Self::Batched(batches) => batches.commit_or_keep_late(claim, observed).await,
+        }
+    }
+}

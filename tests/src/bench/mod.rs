@@ -447,20 +447,17 @@ pub enum Mode {
     /// The defaults: every write its own transaction, except that a gateway's permit releases
     /// ride on its next permit's transaction (`release_linger_ms`, 5 ms).
     Plain,
-    /// Group commit on in executor and gateway (`Z29C_GROUP_COMMIT=true`).
-    Grouped,
     /// Every write its own `COMMIT`, permit releases included (`Z29C_RELEASE_LINGER_MS=0`).
     Eager,
 }
 
 impl Mode {
-    pub const ALL: [Mode; 3] = [Mode::Plain, Mode::Grouped, Mode::Eager];
+    pub const ALL: [Mode; 2] = [Mode::Plain, Mode::Eager];
 
     /// The system's name in the report.
     pub fn name(self) -> &'static str {
         match self {
             Mode::Plain => "z29c",
-            Mode::Grouped => "z29c-grouped",
             Mode::Eager => "z29c-eager",
         }
     }
@@ -470,16 +467,10 @@ impl Mode {
     }
 
     fn env(self) -> Vec<(String, String)> {
-        vec![
-            (
-                "Z29C_GROUP_COMMIT".into(),
-                (self == Mode::Grouped).to_string(),
-            ),
-            (
-                "Z29C_RELEASE_LINGER_MS".into(),
-                if self == Mode::Eager { "0" } else { "5" }.into(),
-            ),
-        ]
+        vec![(
+            "Z29C_RELEASE_LINGER_MS".into(),
+            if self == Mode::Eager { "0" } else { "5" }.into(),
+        )]
     }
 }
 
