@@ -119,14 +119,14 @@ impl Gateway {
                 tokio::time::sleep(linger).await;
             }
             let ended = self.take_ended();
-            if !ended.permits.is_empty() {
-                if let Err(e) = self.store.release_permits(&ended.permits).await {
-                    // their holds run out by themselves; until then they count, which is safe
-                    tracing::warn!(error = %e, permits = ended.permits.len(), "permit release failed; retrying");
-                    if !stopping {
-                        self.keep_ended(ended);
-                        tokio::time::sleep(PERMIT_RETRY).await;
-                    }
+            if !ended.permits.is_empty()
+                && let Err(e) = self.store.release_permits(&ended.permits).await
+            {
+                // their holds run out by themselves; until then they count, which is safe
+                tracing::warn!(error = %e, permits = ended.permits.len(), "permit release failed; retrying");
+                if !stopping {
+                    self.keep_ended(ended);
+                    tokio::time::sleep(PERMIT_RETRY).await;
                 }
             }
             if stopping {
