@@ -627,6 +627,21 @@ impl Cluster {
         self.processes.iter()
     }
 
+    /// Waits until process `name`'s log has a line containing `text`.
+    pub async fn wait_for_log(&self, name: &str, text: &str, within: Duration) -> Result<()> {
+        let path = self.dir().join(format!("{name}.log"));
+        let start = Instant::now();
+        loop {
+            if std::fs::read_to_string(&path).is_ok_and(|log| log.contains(text)) {
+                return Ok(());
+            }
+            if start.elapsed() > within {
+                bail!("waited {within:?} for {name} to log {text:?}");
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     pub fn process(&mut self, name: &str) -> Option<&mut Process> {
         self.processes.iter_mut().find(|p| p.name == name)
     }

@@ -728,14 +728,8 @@ impl History {
             e.push((p.acquired_at, 1));
             e.push((p.until, -1));
         }
-        for ((adapter, class), mut points) in by_class {
-            // at equal instants, a release comes before an acquisition
-            points.sort();
-            let (mut now, mut peak) = (0i64, 0i64);
-            for (_, d) in points {
-                now += i64::from(d);
-                peak = peak.max(now);
-            }
+        for ((adapter, class), points) in by_class {
+            let peak = most_at_once(points);
             if peak > expect.permit_limit {
                 v(
                     Invariant::F,
@@ -772,13 +766,8 @@ impl History {
             e.push((r.received_at, 1));
             e.push((until.max(r.received_at), -1));
         }
-        for ((mode, route), mut points) in by_route {
-            points.sort();
-            let (mut now, mut peak) = (0i64, 0i64);
-            for (_, d) in points {
-                now += i64::from(d);
-                peak = peak.max(now);
-            }
+        for ((mode, route), points) in by_route {
+            let peak = most_at_once(points);
             if peak > expect.permit_limit {
                 v(
                     Invariant::F,
@@ -802,6 +791,18 @@ impl History {
         }
         out
     }
+}
+
+/// The most intervals open at once, given each as `(start, 1)` and `(end, -1)`; at equal
+/// instants an end comes before a start.
+fn most_at_once(mut points: Vec<(DateTime<Utc>, i32)>) -> i64 {
+    points.sort();
+    let (mut now, mut peak) = (0i64, 0i64);
+    for (_, d) in points {
+        now += i64::from(d);
+        peak = peak.max(now);
+    }
+    peak
 }
 
 #[cfg(test)]

@@ -390,17 +390,7 @@ impl Run {
 
     /// Waits until process `name`'s log has a line containing `text`.
     async fn wait_for_log(&self, name: &str, text: &str, within: Duration) -> Result<()> {
-        let path = self.cluster.dir().join(format!("{name}.log"));
-        let start = Instant::now();
-        loop {
-            if std::fs::read_to_string(&path).is_ok_and(|log| log.contains(text)) {
-                return Ok(());
-            }
-            if start.elapsed() > within {
-                bail!("waited {within:?} for {name} to log {text:?}");
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        self.cluster.wait_for_log(name, text, within).await
     }
 
     async fn wait_exit(&mut self, name: &str, within: Duration) -> Result<()> {

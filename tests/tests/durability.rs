@@ -132,16 +132,13 @@ async fn commits_that_do_not_wait_for_the_disk_are_safe_to_lose() -> Result<()> 
         .await?;
     let writer = pg.stop_wal_writer().await?;
     let second = submit(&cluster, "second").await?;
-    let log = cluster.dir().join("executor-2.log");
-    let start = Instant::now();
-    while !std::fs::read_to_string(&log)
-        .is_ok_and(|l| l.contains("fault: stalling after the claim"))
-    {
-        if start.elapsed() > Duration::from_secs(30) {
-            bail!("executor-2 never claimed the second step");
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    cluster
+        .wait_for_log(
+            "executor-2",
+            "fault: stalling after the claim",
+            Duration::from_secs(30),
+        )
+        .await?;
     let claimed: Vec<uuid::Uuid> = sqlx::query_scalar(
         "SELECT a.id FROM attempts a JOIN steps s ON s.id = a.step_id
          JOIN workflows w ON w.id = s.workflow_id WHERE w.client_key = 'second'",
@@ -183,7 +180,7 @@ async fn commits_that_do_not_wait_for_the_disk_are_safe_to_lose() -> Result<()> 
         .await?;
     // the stalled worker woke with a lease PostgreSQL never kept: the gateway's fence
     // refused its invocation, so nothing was sent under it
-    let log = std::fs::read_to_string(&log)?;
+    let log = std::fs::read_to_string(cluster.dir().join("executor-2.log"))?;
     assert!(
         log.lines().any(|l| l.contains("invocation not begun")
             && l.contains("attempt is not the step's current attempt")),

@@ -444,16 +444,14 @@ async fn an_answer_whose_worker_is_stopped_is_recorded_by_the_gateway() -> Resul
         let mut req = chain("stopped", "charge", 1);
         req.steps[0].policy = Some(policy(4));
         let id = submit(&cluster, req).await?;
-        let log = cluster.dir().join("executor-1.log");
-        let start = Instant::now();
-        while !std::fs::read_to_string(&log)
-            .is_ok_and(|l| l.contains("fault: stalling after the response"))
-        {
-            if start.elapsed() > Duration::from_secs(20) {
-                bail!("{capability}: the worker never held an answer");
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        cluster
+            .wait_for_log(
+                "executor-1",
+                "fault: stalling after the response",
+                Duration::from_secs(20),
+            )
+            .await
+            .with_context(|| format!("{capability}: the worker never held an answer"))?;
         cluster
             .process("executor-1")
             .context("executor-1")?

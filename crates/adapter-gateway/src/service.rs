@@ -156,21 +156,25 @@ fn call_timeout<T>(req: &Request<T>, max: Duration) -> Duration {
         .metadata()
         .get("grpc-timeout")
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| {
-            let (n, unit) = v.split_at(v.len().checked_sub(1)?);
-            let n: u64 = n.parse().ok()?;
-            Some(match unit {
-                "H" => Duration::from_secs(n * 3600),
-                "M" => Duration::from_secs(n * 60),
-                "S" => Duration::from_secs(n),
-                "m" => Duration::from_millis(n),
-                "u" => Duration::from_micros(n),
-                "n" => Duration::from_nanos(n),
-                _ => return None,
-            })
-        });
+        .and_then(grpc_timeout);
     let d = parsed.unwrap_or(DEFAULT_CALL).min(max);
     d.saturating_sub(ANSWER_RESERVE.min(d / 10))
+}
+
+/// A `grpc-timeout` value (digits and a unit: `H`, `M`, `S`, `m`, `u`, `n`); `None` for
+/// anything else, and a saturated duration rather than an overflow for absurd hours.
+fn grpc_timeout(v: &str) -> Option<Duration> {
+    let unit = v.chars().last()?;
+    let n: u64 = v.strip_suffix(unit)?.parse().ok()?;
+    Some(match unit {
+        'H' => Duration::from_secs(n.saturating_mul(3600)),
+        'M' => Duration::from_secs(n.saturating_mul(60)),
+        'S' => Duration::from_secs(n),
+        'm' => Duration::from_millis(n),
+        'u' => Duration::from_micros(n),
+        'n' => Duration::from_nanos(n),
+        _ => return None,
+    })
 }
 
 /// Kept back from a call's deadline for what follows the adapter's answer (the permit's
@@ -596,5 +600,73 @@ pub fn capability_to_wire(c: z29c_core::AdapterCapability) -> pb::AdapterCapabil
         z29c_core::AdapterCapability::Idempotent => pb::AdapterCapability::Idempotent,
         z29c_core::AdapterCapability::Queryable => pb::AdapterCapability::Queryable,
         z29c_core::AdapterCapability::Opaque => pb::AdapterCapability::Opaque,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_grpc_timeout_is_read_in_its_unit_or_not_at_all() {
+        let cases = [
+            ("100m", Some(Duration::from_millis(100))),
+            ("5S", Some(Duration::from_secs(5))),
+            ("2M", Some(Duration::from_secs(120))),
+            ("1H", Some(Duration::from_secs(3600))),
+            ("250u", Some(Duration::from_micros(250))),
+            ("7n", Some(Duration::from_nanos(7))),
+            (
+                "99999999999999999999H",
+                None, // not a u64: ignored, the default applies
+            ),
+            (
+                "9999999999999999H",
+                Some(Duration::from_secs(
+                    9_999_999_999_999_999u64.saturating_mul(3600),
+                )),
+            ),
+            ("", None),
+            ("m", None),
+            ("12", None),
+            ("12x", None),
+            ("-5S", None),
+            ("5 S", None),
+            ("5é", None),
+        ];
+        for (v, want) in cases {
+            assert_eq!(grpc_timeout(v), want, "{v:?}");
+        }
+    }
+
+    #[test]
+    fn a_call_keeps_time_back_for_its_answer_and_never_exceeds_the_cap() {
+        let req = |t: Option<&str>| {
+            let mut r = Request::new(());
+            if let Some(t) = t {
+                r.metadata_mut().insert("grpc-timeout", t.parse().unwrap());
+            }
+            r
+        };
+        let max = Duration::from_secs(60);
+        // a tenth of a short call, at most 200 ms of a long one
+        assert_eq!(
+            call_timeout(&req(Some("1S")), max),
+            Duration::from_millis(900)
+        );
+        assert_eq!(
+            call_timeout(&req(Some("30S")), max),
+            Duration::from_millis(29_800)
+        );
+        // capped by the server's own limit, and the default when the caller gives none
+        assert_eq!(
+            call_timeout(&req(Some("1H")), max),
+            Duration::from_millis(59_800)
+        );
+        assert_eq!(call_timeout(&req(None), max), DEFAULT_CALL - ANSWER_RESERVE);
+        assert_eq!(
+            call_timeout(&req(Some("soon")), max),
+            DEFAULT_CALL - ANSWER_RESERVE
+        );
     }
 }

@@ -126,6 +126,76 @@ pub const fn after_unanswered_query(asked: usize) -> Option<RecoveryDecision> {
     }
 }
 
+/// What a status query brought, as recovery weighs it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QueryAnswer {
+    /// The destination names the request's effect.
+    Found,
+    /// The destination never received the request.
+    NotFound,
+    /// No answer yet: the request is still being processed, or the query timed out or found
+    /// no gateway. A later query may bring one.
+    NotYet,
+    /// An answer no later query will change (the adapter unknown to the gateway, a malformed
+    /// identity, an empty answer).
+    Unusable,
+}
+
+/// What recovery does after a status query.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AfterQuery {
+    /// Commit the receipt from the destination's answer.
+    CommitFound,
+    /// Record this decision.
+    Decide(RecoveryDecision),
+    /// Nothing now: ask again when the recovery lease expires.
+    AskAgain,
+}
+
+/// The rule after a status query, given whether the step has attempts left and how many
+/// queries of its current attempt have gone unanswered (this one included). "No such
+/// request" is the only answer that allows sending again; no answer yet is never a "no".
+pub const fn after_status_query(
+    answer: QueryAnswer,
+    attempts_left: bool,
+    unanswered: usize,
+) -> AfterQuery {
+    match answer {
+        QueryAnswer::Found => AfterQuery::CommitFound,
+        QueryAnswer::NotFound if attempts_left => {
+            AfterQuery::Decide(RecoveryDecision::RetrySameIdentity)
+        }
+        QueryAnswer::NotFound | QueryAnswer::Unusable => {
+            AfterQuery::Decide(RecoveryDecision::HumanReview)
+        }
+        QueryAnswer::NotYet => match after_unanswered_query(unanswered) {
+            Some(d) => AfterQuery::Decide(d),
+            None => AfterQuery::AskAgain,
+        },
+    }
+}
+
+/// What a reconciliation does with the answers on record for the step's request identity.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AfterReconcile {
+    /// Commit the receipt from the (first) answer on record.
+    CommitObserved,
+    /// The answers name different external references: an integrity conflict for a person.
+    IntegrityConflict,
+    /// A response was observed but no answer of it was kept: a person decides.
+    NoEvidence,
+}
+
+/// The rule of a reconciliation, from how many answers are on record and how many distinct
+/// external references they name.
+pub const fn after_reconcile(answers: usize, distinct_references: usize) -> AfterReconcile {
+    match (answers, distinct_references) {
+        (0, _) => AfterReconcile::NoEvidence,
+        (_, 0 | 1) => AfterReconcile::CommitObserved,
+        _ => AfterReconcile::IntegrityConflict,
+    }
+}
+
 /// Classifies durable evidence into a row of the recovery table and its decision.
 ///
 /// The order of the checks is the point: a receipt outranks everything, an observed result
@@ -226,6 +296,51 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn after_a_status_query_only_no_such_request_sends_again() {
+        let answers = [
+            QueryAnswer::Found,
+            QueryAnswer::NotFound,
+            QueryAnswer::NotYet,
+            QueryAnswer::Unusable,
+        ];
+        for answer in answers {
+            for attempts_left in [true, false] {
+                for unanswered in 0..UNANSWERED_QUERIES_BEFORE_REVIEW * 2 {
+                    let next = after_status_query(answer, attempts_left, unanswered);
+                    let want = match answer {
+                        QueryAnswer::Found => AfterQuery::CommitFound,
+                        QueryAnswer::NotFound if attempts_left => {
+                            AfterQuery::Decide(RecoveryDecision::RetrySameIdentity)
+                        }
+                        QueryAnswer::NotYet if unanswered < UNANSWERED_QUERIES_BEFORE_REVIEW => {
+                            AfterQuery::AskAgain
+                        }
+                        _ => AfterQuery::Decide(RecoveryDecision::HumanReview),
+                    };
+                    assert_eq!(next, want, "{answer:?} {attempts_left} {unanswered}");
+                    // never a failure; a retry only on a definite "never received"
+                    if let AfterQuery::Decide(d) = next {
+                        assert_ne!(d, RecoveryDecision::Fail);
+                        if d.may_send_again() {
+                            assert_eq!(answer, QueryAnswer::NotFound);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_reconciliation_commits_one_reference_and_never_chooses_between_two() {
+        assert_eq!(after_reconcile(0, 0), AfterReconcile::NoEvidence);
+        assert_eq!(after_reconcile(1, 0), AfterReconcile::CommitObserved);
+        assert_eq!(after_reconcile(1, 1), AfterReconcile::CommitObserved);
+        assert_eq!(after_reconcile(3, 1), AfterReconcile::CommitObserved);
+        assert_eq!(after_reconcile(2, 2), AfterReconcile::IntegrityConflict);
+        assert_eq!(after_reconcile(5, 3), AfterReconcile::IntegrityConflict);
     }
 
     #[test]

@@ -7,6 +7,9 @@ use std::time::Duration;
 use serde_json::{Value, json};
 use tracing::Instrument;
 use z29c_bus::gateways::Gateways;
+use z29c_core::recovery::{
+    AfterQuery, AfterReconcile, QueryAnswer, after_reconcile, after_status_query,
+};
 use z29c_core::{
     AdapterCapability, ExternalReference, InputDigest, LeaseClaim, Outcome, OwnerId,
     RecoveryCategory, RecoveryDecision, RequestIdentity, Verification, classify,
@@ -104,8 +107,46 @@ async fn decide_on(
                 }
                 None => Err(tonic::Status::unavailable("no gateway serves the adapter")),
             };
-            match answer {
+            let (kind, found, reason) = match answer {
                 Ok(Some(query_response::Status::Found(found))) => {
+                    (QueryAnswer::Found, Some(found), String::new())
+                }
+                Ok(Some(query_response::Status::NotFound(_))) => (
+                    QueryAnswer::NotFound,
+                    None,
+                    "status query found no such request".to_owned(),
+                ),
+                // still being processed, or no answer at all: a retry could send the request
+                // twice
+                other if answer_may_come(&other) => {
+                    let reason = match other {
+                        Ok(Some(query_response::Status::Unknown(u))) => u.reason,
+                        Ok(_) => String::new(),
+                        Err(status) => status.to_string(),
+                    };
+                    (QueryAnswer::NotYet, None, reason)
+                }
+                // an answer no later query will change (the adapter unknown to the gateway, a
+                // malformed identity, an empty answer)
+                other => (
+                    QueryAnswer::Unusable,
+                    None,
+                    format!("status query gave no answer: {other:?}"),
+                ),
+            };
+            let unanswered = if kind == QueryAnswer::NotYet {
+                unanswered_so_far(
+                    &ctx.store.recovery_decisions(lease.step).await?,
+                    lease.attempt.as_uuid(),
+                )
+            } else {
+                0
+            };
+            match (
+                after_status_query(kind, evidence.attempts_left, unanswered),
+                found,
+            ) {
+                (AfterQuery::CommitFound, Some(found)) => {
                     let result = serde_json::from_str(&found.result_json).unwrap_or(Value::Null);
                     let observed = observed(
                         snap,
@@ -125,63 +166,31 @@ async fn decide_on(
                     )
                     .await?;
                 }
-                Ok(Some(query_response::Status::NotFound(_))) if !evidence.attempts_left => {
+                (AfterQuery::AskAgain, _) => tracing::info!(
+                    step = %lease.step, asked = unanswered, %reason,
+                    "status query gave no answer; asking again when the recovery lease expires"
+                ),
+                (AfterQuery::Decide(next), _) => {
+                    let reason = match kind {
+                        QueryAnswer::NotFound if next == RecoveryDecision::HumanReview => {
+                            format!("{reason}, and the step has no attempts left")
+                        }
+                        QueryAnswer::NotYet => format!(
+                            "{unanswered} status queries gave no answer, the last: {reason}"
+                        ),
+                        _ => reason,
+                    };
+                    decide(ctx, lease, &record(next, json!({ "reason": reason }))).await?;
+                }
+                // the rule commits only what was found, and only a found answer carries one
+                (AfterQuery::CommitFound, None) => {
                     decide(
                         ctx,
                         lease,
                         &record(
                             RecoveryDecision::HumanReview,
-                            json!({ "reason": "status query found no such request, and the step has no attempts left" }),
+                            json!({ "reason": "status query found the effect, without its answer" }),
                         ),
-                    )
-                    .await?;
-                }
-                Ok(Some(query_response::Status::NotFound(_))) => {
-                    // the destination never accepted the request: sending it again, under the
-                    // same identity, is safe
-                    decide(
-                        ctx,
-                        lease,
-                        &record(
-                            RecoveryDecision::RetrySameIdentity,
-                            json!({ "reason": "status query found no such request" }),
-                        ),
-                    )
-                    .await?;
-                }
-                other if answer_may_come(&other) => {
-                    // still being processed, or no answer at all: a retry could send the
-                    // request twice, so ask again when this recovery lease expires
-                    let reason = match other {
-                        Ok(Some(query_response::Status::Unknown(u))) => u.reason,
-                        Ok(_) => String::new(),
-                        Err(status) => status.to_string(),
-                    };
-                    let asked = unanswered_so_far(
-                        &ctx.store.recovery_decisions(lease.step).await?,
-                        lease.attempt.as_uuid(),
-                    );
-                    match z29c_core::recovery::after_unanswered_query(asked) {
-                        None => tracing::info!(
-                            step = %lease.step, asked, %reason,
-                            "status query gave no answer; asking again when the recovery lease expires"
-                        ),
-                        Some(next) => {
-                            let reason = format!(
-                                "{asked} status queries gave no answer, the last: {reason}"
-                            );
-                            decide(ctx, lease, &record(next, json!({ "reason": reason }))).await?;
-                        }
-                    }
-                }
-                other => {
-                    // an answer no later query will change (the adapter unknown to the
-                    // gateway, a malformed identity, an empty answer): a person decides
-                    let reason = format!("status query gave no answer: {other:?}");
-                    decide(
-                        ctx,
-                        lease,
-                        &record(RecoveryDecision::HumanReview, json!({ "reason": reason })),
                     )
                     .await?;
                 }
@@ -195,8 +204,11 @@ async fn decide_on(
                 .filter_map(|o| o.external_reference.as_deref())
                 .collect();
             let distinct: std::collections::BTreeSet<&str> = references.iter().copied().collect();
-            match (matching.first(), distinct.len()) {
-                (Some(first), 0 | 1) => {
+            match (
+                after_reconcile(matching.len(), distinct.len()),
+                matching.first(),
+            ) {
+                (AfterReconcile::CommitObserved, Some(first)) => {
                     let outcome: Outcome = first.outcome.parse().unwrap_or(Outcome::Failed);
                     let observed = observed(
                         snap,
@@ -216,7 +228,7 @@ async fn decide_on(
                     )
                     .await?;
                 }
-                (Some(_), _) => {
+                (AfterReconcile::IntegrityConflict, _) => {
                     let identity = snap.request_identity.clone().unwrap_or_default();
                     let mut refs = distinct.iter();
                     ctx.store
@@ -237,7 +249,7 @@ async fn decide_on(
                         )
                         .await?;
                 }
-                (None, _) => {
+                (AfterReconcile::NoEvidence | AfterReconcile::CommitObserved, _) => {
                     decide(ctx,
                             lease,
                             &record(
