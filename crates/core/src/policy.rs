@@ -225,7 +225,7 @@ pub enum RenewalDecision {
     Refuse,
 }
 
-/// Time left on each of the four deadlines, as seen by one worker. Computed from the times
+/// Time left on the deadlines that bound a call, as seen by one worker. Computed from the times
 /// PostgreSQL returned plus the worker's monotonic clock, never from its wall clock.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Deadlines {
@@ -240,7 +240,7 @@ pub struct Deadlines {
 }
 
 impl Deadlines {
-    /// The deadline to give one adapter call, from *invocation began*: no longer than the
+    /// The deadline to give one adapter call, as the worker begins it: no longer than the
     /// adapter timeout, and ending `final_grace` before the attempt runs out (so the answer,
     /// or the timeout, can still be committed under it) and by the workflow's deadline.
     ///

@@ -115,8 +115,8 @@ impl Store {
     /// open; this runs after their COMMITs, on a snapshot that holds them all, and the row
     /// lock of the `UPDATE` waits for a step's failure or a cancellation in flight.
     ///
-    /// Its COMMIT does not wait for the disk ([`Store::begin_relaxed`]): a mark lost in a
-    /// server crash republishes under the same `Nats-Msg-Id`, and the completion is redone.
+    /// Its COMMIT does not wait for the disk ([`Store::begin_relaxed`]) unless it completed a
+    /// workflow: a mark lost in a server crash republishes under the same `Nats-Msg-Id`.
     pub async fn mark_outbox_sent(&self, ids: &[i64]) -> Result<u64> {
         let mut tx = self.begin_relaxed().await?;
         let sent = mark_sent_in(&mut tx, ids).await?;
@@ -126,9 +126,9 @@ impl Store {
 
     /// [`Store::mark_outbox_sent`] for `sent`, then [`Store::claim_outbox`] for the next batch,
     /// in one transaction: a relay that keeps up pays one `COMMIT` per batch instead of two.
-    /// Its COMMIT does not wait for the disk, as the mark's alone does not: a claim lost in a
-    /// server crash is claimed again, and what it had published goes out again under the same
-    /// `Nats-Msg-Id`.
+    /// Its COMMIT does not wait for the disk unless the mark completed a workflow, as the
+    /// mark's alone: a claim lost in a server crash is claimed again, and what it had
+    /// published goes out again under the same `Nats-Msg-Id`.
     pub async fn mark_outbox_sent_and_claim(
         &self,
         sent: &[i64],
@@ -189,10 +189,10 @@ async fn claim_in(
         })?)
 }
 
-/// The statement of [`Store::mark_outbox_sent`], on the caller's transaction.
-/// The statement of [`Store::mark_outbox_sent`]. A mark may be lost with the commit that did
-/// not wait for the disk; a workflow's completion, once a client may have read it, may not:
-/// when the statement completed a workflow, its transaction's `COMMIT` waits for the disk.
+/// The statement of [`Store::mark_outbox_sent`], on the caller's transaction. A mark may be
+/// lost with a commit that did not wait for the disk; a workflow's completion, once a client
+/// may have read it, may not: when the statement completed a workflow, its transaction's
+/// `COMMIT` waits for the disk.
 async fn mark_sent_in(conn: &mut PgConnection, ids: &[i64]) -> Result<u64> {
     let (sent, completed): (i64, i64) = sqlx::query_as(
         "WITH sent AS (
