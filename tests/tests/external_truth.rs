@@ -210,7 +210,11 @@ async fn a_409_for_a_request_still_in_flight_is_unknown_not_a_refusal() -> Resul
 async fn the_checker_catches_a_build_that_reads_a_409_as_a_refusal() -> Result<()> {
     let ended = conflict_in_flight(Some(Break::ConflictRefused)).await?;
     assert_eq!(ended.before_review, pb::ProductState::Failed);
-    assert!(ended.broke(Invariant::A), "{:#?}", ended.violations);
+    assert!(
+        ended.broke(Invariant::EffectMatchesEnd),
+        "{:#?}",
+        ended.violations
+    );
     ended.cluster.stop().await
 }
 
@@ -290,7 +294,11 @@ async fn the_checker_catches_a_build_that_asks_only_the_current_attempt_before_f
 -> Result<()> {
     let ended = later_attempt_dies_unsent(Some(Break::CurrentAttemptOnly)).await?;
     assert_eq!(ended.before_review, pb::ProductState::Failed);
-    assert!(ended.broke(Invariant::A), "{:#?}", ended.violations);
+    assert!(
+        ended.broke(Invariant::EffectMatchesEnd),
+        "{:#?}",
+        ended.violations
+    );
     ended.cluster.stop().await
 }
 
@@ -352,7 +360,11 @@ async fn a_deadline_does_not_cancel_a_step_whose_earlier_attempt_may_have_sent()
 async fn the_checker_catches_a_build_that_cancels_on_the_current_attempt_alone() -> Result<()> {
     let ended = deadline_while_permit_held(Some(Break::CurrentAttemptOnly)).await?;
     assert_eq!(ended.before_review, pb::ProductState::Cancelled);
-    assert!(ended.broke(Invariant::A), "{:#?}", ended.violations);
+    assert!(
+        ended.broke(Invariant::EffectMatchesEnd),
+        "{:#?}",
+        ended.violations
+    );
     ended.cluster.stop().await
 }
 
@@ -409,14 +421,22 @@ async fn a_lost_answer_is_retried_under_the_same_key_or_reviewed() -> Result<()>
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_checker_catches_a_build_that_gives_each_retry_a_new_identity() -> Result<()> {
     let ended = first_answer_lost("idempotent", Some(Break::NewIdentityPerRetry)).await?;
-    assert!(ended.broke(Invariant::A), "{:#?}", ended.violations);
+    assert!(
+        ended.broke(Invariant::EffectMatchesEnd),
+        "{:#?}",
+        ended.violations
+    );
     ended.cluster.stop().await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_checker_catches_a_build_that_retries_an_opaque_request() -> Result<()> {
     let ended = first_answer_lost("opaque", Some(Break::OpaqueRetried)).await?;
-    assert!(ended.broke(Invariant::D), "{:#?}", ended.violations);
+    assert!(
+        ended.broke(Invariant::OpaqueSentOnce),
+        "{:#?}",
+        ended.violations
+    );
     ended.cluster.stop().await
 }
 
@@ -590,7 +610,11 @@ async fn a_request_still_in_progress_is_asked_about_again_never_sent_again() -> 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_checker_catches_a_build_that_takes_in_progress_for_never_received() -> Result<()> {
     let ended = queried_while_in_progress(Some(Break::InProgressAsNotFound)).await?;
-    assert!(ended.broke(Invariant::A), "{:#?}", ended.violations);
+    assert!(
+        ended.broke(Invariant::EffectMatchesEnd),
+        "{:#?}",
+        ended.violations
+    );
     ended.cluster.stop().await
 }
 
@@ -700,7 +724,8 @@ async fn the_checker_catches_a_build_that_ignores_the_permit_limit() -> Result<(
         ended
             .violations
             .iter()
-            .any(|v| v.invariant == Invariant::F && v.detail.contains("the destination")),
+            .any(|v| v.invariant == Invariant::PermitLimitHeld
+                && v.detail.contains("the destination")),
         "the destination's own count: {:#?}",
         ended.violations
     );
@@ -714,17 +739,17 @@ struct LateAnswer {
     effect: String,
     /// The references among the step's late observations.
     kept: Vec<String>,
-    /// For an opaque step: the references its review item showed.
+    /// The references the step's review items showed, if it had any.
     shown: Vec<String>,
 }
 
-/// A call longer than its lease, whose worker stops renewing. The destination takes 4 s to
+/// A call longer than its lease, whose worker stops renewing. The destination takes 6 s to
 /// process the request; the worker is stopped (SIGSTOP) once the request has arrived, so its
 /// 1.5 s lease runs out and recovery has the step long before the answer comes. The gateway
 /// still holds the call: it keeps the answer, with the effect's reference, as a late
-/// observation. An opaque step's review item shows it; an idempotent step's retry (same key,
-/// by a second executor) and a queryable step's status query complete the step with that
-/// one effect.
+/// observation, and recovery, which waits while the gateway holds the call's permit, completes
+/// the step from it, whatever the adapter's capability: no person is asked, and nothing is
+/// sent again.
 async fn answer_after_the_lease(
     capability: &'static str,
     broken: Option<Break>,
@@ -742,14 +767,14 @@ async fn answer_after_the_lease(
     .await?;
     cluster.add_executor_with(&[]).await?;
     cluster
-        .set_faults("charge", json!({ "delay_ms": 4_000 }))
+        .set_faults("charge", json!({ "delay_ms": 6_000 }))
         .await?;
     let pool = cluster.db.pool(2).await?;
     let ledger = cluster.ledger_pool().await?;
     let mut req = chain("after-lease", "charge", 1);
     req.steps[0].policy = Some(pb::LeasePolicy {
-        adapter_timeout_ms: 8_000,
-        attempt_deadline_ms: 12_000,
+        adapter_timeout_ms: 10_000,
+        attempt_deadline_ms: 14_000,
         ..policy(4)
     });
     let id = submit(&cluster, req).await?;
@@ -762,8 +787,8 @@ async fn answer_after_the_lease(
     .await?;
     let worker = cluster.process("executor-1").context("executor-1")?;
     worker.pause()?;
-    // the answer is due 4 s after the request arrived; the gateway keeps it late
-    let kept_by = Instant::now() + Duration::from_secs(15);
+    // the answer is due 6 s after the request arrived; the gateway keeps it late
+    let kept_by = Instant::now() + Duration::from_secs(20);
     let mut kept: Vec<String> = Vec::new();
     while kept.is_empty() && Instant::now() < kept_by {
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -776,32 +801,23 @@ async fn answer_after_the_lease(
     let effect: String = sqlx::query_scalar("SELECT reference FROM destination.ledger")
         .fetch_one(&ledger)
         .await?;
-    let mut shown = Vec::new();
-    if capability == "opaque" {
-        wait_for(
-            &pool,
-            "SELECT count(*) FROM review_items",
-            "the review item",
-            Duration::from_secs(20),
-        )
+    // a retry, if recovery decided one, is another worker's to send
+    cluster.add_executor_with(&[]).await?;
+    cluster
+        .wait_all_ended(std::slice::from_ref(&id), Duration::from_secs(60))
         .await?;
-        let items = cluster
-            .reviews(None)
-            .await?
-            .list(pb::ListReviewsRequest::default())
-            .await?
-            .into_inner()
-            .items;
-        shown = items
-            .iter()
-            .flat_map(|i| &i.evidence)
-            .filter(|e| !e.external_reference.is_empty())
-            .map(|e| e.external_reference.clone())
-            .collect();
-    } else {
-        // the step is another worker's to finish
-        cluster.add_executor_with(&[]).await?;
-    }
+    let shown = cluster
+        .reviews(None)
+        .await?
+        .list(pb::ListReviewsRequest::default())
+        .await?
+        .into_inner()
+        .items
+        .iter()
+        .flat_map(|i| &i.evidence)
+        .filter(|e| !e.external_reference.is_empty())
+        .map(|e| e.external_reference.clone())
+        .collect();
     pool.close().await;
     ledger.close().await;
     let capability_parsed = capability.parse().map_err(anyhow::Error::msg)?;
@@ -834,20 +850,12 @@ async fn an_answer_after_the_lease_moved_on_is_kept_with_its_reference() -> Resu
             vec![late.effect.clone()],
             "{capability}: the gateway kept the late answer with the effect's reference"
         );
-        if capability == "opaque" {
-            assert_eq!(ended.before_review, pb::ProductState::NeedsReview);
-            assert!(
-                late.shown.contains(&late.effect),
-                "the review item shows the late answer: {:?}",
-                late.shown
-            );
-        } else {
-            assert_eq!(
-                ended.before_review,
-                pb::ProductState::Completed,
-                "{capability}: completed without a person"
-            );
-        }
+        assert_eq!(
+            ended.before_review,
+            pb::ProductState::Completed,
+            "{capability}: completed from the late answer, without a person"
+        );
+        assert!(late.shown.is_empty(), "{capability}: no review item");
         late.ended.cluster.stop().await?;
     }
     Ok(())
@@ -856,6 +864,11 @@ async fn an_answer_after_the_lease_moved_on_is_kept_with_its_reference() -> Resu
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_scenario_catches_a_build_that_drops_a_late_answer() -> Result<()> {
     let late = answer_after_the_lease("opaque", Some(Break::LateResultDropped)).await?;
+    assert_eq!(
+        late.ended.before_review,
+        pb::ProductState::NeedsReview,
+        "with the answer dropped, only a person can say what happened"
+    );
     assert!(
         late.kept.is_empty(),
         "the broken build kept {:?}",
@@ -865,6 +878,18 @@ async fn the_scenario_catches_a_build_that_drops_a_late_answer() -> Result<()> {
         !late.shown.contains(&late.effect),
         "the review item cannot show what was dropped: {:?}",
         late.shown
+    );
+    late.ended.cluster.stop().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_scenario_catches_a_build_that_opens_review_while_the_call_is_in_flight() -> Result<()>
+{
+    let late = answer_after_the_lease("opaque", Some(Break::ReviewDuringCall)).await?;
+    assert_eq!(
+        late.ended.before_review,
+        pb::ProductState::NeedsReview,
+        "the broken build asked a person before the call had answered"
     );
     late.ended.cluster.stop().await
 }

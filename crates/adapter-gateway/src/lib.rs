@@ -40,7 +40,7 @@ pub async fn run(
     shutdown: CancellationToken,
     ready: Option<tokio::sync::oneshot::Sender<Started>>,
 ) -> anyhow::Result<()> {
-    if let Some(addr) = config.metrics_listen {
+    if let Some(addr) = config.shared.metrics_listen {
         z29c_telemetry::serve_prometheus(addr).context("serve /metrics")?;
         z29c_telemetry::zero_counters(&[z29c_telemetry::ATTEMPT_INVOCATIONS]);
     }
@@ -49,7 +49,7 @@ pub async fn run(
         tracing::warn!(%point, "fault: crash point armed");
         z29c_store::faults::arm(point);
     }
-    let store = Store::connect(&config.database_url, config.max_connections)
+    let store = Store::connect(config.shared.database_url.expose(), config.max_connections)
         .await
         .context("connect to PostgreSQL")?;
     for a in &config.adapters {
@@ -58,10 +58,28 @@ pub async fn run(
                 .set_permit_limit(&a.name, class, i32::try_from(*limit).unwrap_or(i32::MAX))
                 .await?;
         }
+        // a permit this gateway still holds from before it started is a call that ended with
+        // the earlier process: its request may have reached the destination, so the permit
+        // counts on for the safety window, as any unknown outcome's, but no call is in flight
+        // for recovery to wait for
+        let orphaned = store
+            .hold_earlier_permits_unknown(
+                &config.id,
+                &a.name,
+                Duration::from_millis(a.safety_window_ms),
+            )
+            .await?;
+        if orphaned > 0 {
+            tracing::warn!(adapter = %a.name, permits = orphaned, "calls of an earlier run of this gateway ended with it; their outcome is unknown");
+        }
     }
-    let bus = Bus::connect_with(&config.nats_url, &config.prefix, &config.nats_tls)
-        .await
-        .context("connect to NATS")?;
+    let bus = Bus::connect_with(
+        &config.shared.nats_url,
+        &config.shared.prefix,
+        &config.shared.nats_tls,
+    )
+    .await
+    .context("connect to NATS")?;
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .with_context(|| format!("bind {}", config.listen))?;
@@ -123,9 +141,12 @@ pub async fn run(
     // pool whose sessions never plan a sequential scan
     let invocations = if config.invocation_batch > 1 {
         InvocationPath::Batched(z29c_store::invocations::InvocationBatches::start(
-            &Store::connect_committers(&config.database_url, config.invocation_committers)
-                .await
-                .context("connect the invocation committers to PostgreSQL")?,
+            &Store::connect_committers(
+                config.shared.database_url.expose(),
+                config.invocation_committers,
+            )
+            .await
+            .context("connect the invocation committers to PostgreSQL")?,
             &store,
             config.invocation_committers,
             config.invocation_batch,

@@ -175,25 +175,74 @@ pub const fn after_status_query(
     }
 }
 
+/// One answer on record for the step's request identity, as a reconciliation weighs it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RecordedAnswer<'a> {
+    /// What the answer says happened; `None` when the record does not say in words z29c reads.
+    pub outcome: Option<Outcome>,
+    pub reference: Option<&'a str>,
+}
+
 /// What a reconciliation does with the answers on record for the step's request identity.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AfterReconcile {
-    /// Commit the receipt from the (first) answer on record.
-    CommitObserved,
+    /// Commit the receipt from the answer at `index`, which says `outcome`.
+    CommitObserved { index: usize, outcome: Outcome },
     /// The answers name different external references: an integrity conflict for a person.
     IntegrityConflict,
-    /// A response was observed but no answer of it was kept: a person decides.
+    /// A response was observed but no answer of it was kept, or none that says what happened
+    /// in words z29c reads while none says it succeeded: a person decides.
     NoEvidence,
 }
 
-/// The rule of a reconciliation, from how many answers are on record and how many distinct
-/// external references they name.
-pub const fn after_reconcile(answers: usize, distinct_references: usize) -> AfterReconcile {
-    match (answers, distinct_references) {
-        (0, _) => AfterReconcile::NoEvidence,
-        (_, 0 | 1) => AfterReconcile::CommitObserved,
-        _ => AfterReconcile::IntegrityConflict,
+/// The rule of a reconciliation. Two references for one request identity are never chosen
+/// between. An answer that says the request succeeded outranks one that says it was refused
+/// (the same identity may have been answered both ways, and the success is an effect that must
+/// not be hidden), and among successes the first that names its reference is taken. A failure
+/// is committed only when every answer is a readable refusal: an unreadable answer may hide an
+/// effect, so it goes to a person instead.
+pub fn after_reconcile(answers: &[RecordedAnswer<'_>]) -> AfterReconcile {
+    let mut references: Vec<&str> = answers.iter().filter_map(|a| a.reference).collect();
+    references.sort_unstable();
+    references.dedup();
+    if answers.is_empty() {
+        return AfterReconcile::NoEvidence;
     }
+    if references.len() > 1 {
+        return AfterReconcile::IntegrityConflict;
+    }
+    let succeeded = |a: &RecordedAnswer<'_>| a.outcome == Some(Outcome::Succeeded);
+    if let Some(i) = answers
+        .iter()
+        .position(|a| succeeded(a) && a.reference.is_some())
+        .or_else(|| answers.iter().position(succeeded))
+    {
+        return AfterReconcile::CommitObserved {
+            index: i,
+            outcome: Outcome::Succeeded,
+        };
+    }
+    if answers.iter().all(|a| a.outcome == Some(Outcome::Failed)) {
+        return AfterReconcile::CommitObserved {
+            index: 0,
+            outcome: Outcome::Failed,
+        };
+    }
+    AfterReconcile::NoEvidence
+}
+
+/// Whether recovery waits before acting on `decision` because the expired attempt's call is
+/// still in flight at a gateway (its permit is held, until the answer is recorded or the call's
+/// own deadline passes). The call may yet answer: a person asked to review it now would decide
+/// without that answer, a retry under the same identity would reach the destination while the
+/// first request is still being processed, and a status query would ask too soon. Only what
+/// is already on record (a receipt, an observed answer) is acted on at once.
+pub const fn waits_for_call(decision: RecoveryDecision, call_in_flight: bool) -> bool {
+    call_in_flight
+        && !matches!(
+            decision,
+            RecoveryDecision::Reconcile | RecoveryDecision::AcknowledgeOnly
+        )
 }
 
 /// Classifies durable evidence into a row of the recovery table and its decision.
@@ -333,14 +382,95 @@ mod tests {
         }
     }
 
+    fn answer(outcome: Option<Outcome>, reference: Option<&str>) -> RecordedAnswer<'_> {
+        RecordedAnswer { outcome, reference }
+    }
+
+    fn done(index: usize) -> AfterReconcile {
+        AfterReconcile::CommitObserved {
+            index,
+            outcome: Outcome::Succeeded,
+        }
+    }
+
+    fn refused(index: usize) -> AfterReconcile {
+        AfterReconcile::CommitObserved {
+            index,
+            outcome: Outcome::Failed,
+        }
+    }
+
     #[test]
     fn a_reconciliation_commits_one_reference_and_never_chooses_between_two() {
-        assert_eq!(after_reconcile(0, 0), AfterReconcile::NoEvidence);
-        assert_eq!(after_reconcile(1, 0), AfterReconcile::CommitObserved);
-        assert_eq!(after_reconcile(1, 1), AfterReconcile::CommitObserved);
-        assert_eq!(after_reconcile(3, 1), AfterReconcile::CommitObserved);
-        assert_eq!(after_reconcile(2, 2), AfterReconcile::IntegrityConflict);
-        assert_eq!(after_reconcile(5, 3), AfterReconcile::IntegrityConflict);
+        const OK: Option<Outcome> = Some(Outcome::Succeeded);
+        const NO: Option<Outcome> = Some(Outcome::Failed);
+        use AfterReconcile::*;
+        assert_eq!(after_reconcile(&[]), NoEvidence);
+        assert_eq!(after_reconcile(&[answer(OK, None)]), done(0));
+        assert_eq!(after_reconcile(&[answer(OK, Some("r1"))]), done(0));
+        let same = [
+            answer(OK, Some("r1")),
+            answer(OK, Some("r1")),
+            answer(OK, None),
+        ];
+        assert_eq!(after_reconcile(&same), done(0));
+        let two = [answer(OK, Some("r1")), answer(OK, Some("r2"))];
+        assert_eq!(after_reconcile(&two), IntegrityConflict);
+        // two references are a conflict whatever the answers say
+        let refused_and_not = [answer(NO, Some("r1")), answer(OK, Some("r2"))];
+        assert_eq!(after_reconcile(&refused_and_not), IntegrityConflict);
+    }
+
+    #[test]
+    fn a_success_on_record_outranks_a_refusal_before_it() {
+        const OK: Option<Outcome> = Some(Outcome::Succeeded);
+        const NO: Option<Outcome> = Some(Outcome::Failed);
+        let refused_then_done = [answer(NO, None), answer(OK, Some("r1"))];
+        assert_eq!(after_reconcile(&refused_then_done), done(1));
+        // among successes, the one that names its reference
+        let unnamed_first = [answer(NO, None), answer(OK, None), answer(OK, Some("r1"))];
+        assert_eq!(after_reconcile(&unnamed_first), done(2));
+        let unread_then_done = [answer(None, None), answer(OK, None)];
+        assert_eq!(after_reconcile(&unread_then_done), done(1));
+    }
+
+    #[test]
+    fn a_failure_is_committed_only_when_every_answer_is_a_readable_refusal() {
+        const NO: Option<Outcome> = Some(Outcome::Failed);
+        use AfterReconcile::*;
+        assert_eq!(after_reconcile(&[answer(NO, None)]), refused(0));
+        assert_eq!(
+            after_reconcile(&[answer(NO, None), answer(NO, None)]),
+            refused(0)
+        );
+        assert_eq!(after_reconcile(&[answer(None, None)]), NoEvidence);
+        assert_eq!(
+            after_reconcile(&[answer(NO, None), answer(None, Some("r1"))]),
+            NoEvidence
+        );
+    }
+
+    #[test]
+    fn recovery_waits_for_a_call_in_flight_unless_the_answer_is_already_on_record() {
+        for &d in RecoveryDecision::ALL {
+            assert!(
+                !waits_for_call(d, false),
+                "{d}: nothing in flight, nothing to wait for"
+            );
+            let acts_on_record = matches!(
+                d,
+                RecoveryDecision::Reconcile | RecoveryDecision::AcknowledgeOnly
+            );
+            assert_eq!(waits_for_call(d, true), !acts_on_record, "{d}");
+        }
+        // the decisions a call in flight could make wrong
+        for d in [
+            RecoveryDecision::HumanReview,
+            RecoveryDecision::RetrySameIdentity,
+            RecoveryDecision::StatusQuery,
+        ] {
+            assert!(waits_for_call(d, true), "{d}");
+        }
     }
 
     #[test]

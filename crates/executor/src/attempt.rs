@@ -19,6 +19,43 @@ use z29c_telemetry::metrics::counter;
 
 use z29c_bus::gateways::Gateways;
 
+/// What the renewal beside a call does after one renewal.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Renewal {
+    /// The lease holds (or the gateway has not committed *invocation began* yet, so the
+    /// lease itself is current): renew again at the next tick.
+    Continue,
+    /// The database could not be asked (a dropped connection, a timeout): nothing says the
+    /// lease is lost, so try again at the next tick. Giving up here would let a long call
+    /// lose its lease to one network blip and send an opaque step to review.
+    Retry,
+    /// The gateway recorded the answer (*response observed*): the call is over.
+    Answered,
+    /// The store refused the renewal: the lease is gone (superseded, expired, past the
+    /// attempt deadline). The call finishes; its answer becomes late evidence.
+    Lost,
+}
+
+/// The rule the renewal loop follows; `version` is the checkpoint version the attempt holds
+/// once the gateway has committed *invocation began*.
+fn after_renewal<T>(result: &Result<T, StoreError>, version: i64) -> Renewal {
+    match result {
+        Ok(_) => Renewal::Continue,
+        Err(StoreError::Fenced(FenceReason::StaleCheckpoint { durable, .. }))
+            if *durable < version =>
+        {
+            Renewal::Continue
+        }
+        Err(StoreError::Fenced(FenceReason::StaleCheckpoint { durable, .. }))
+            if *durable > version =>
+        {
+            Renewal::Answered
+        }
+        Err(StoreError::Fenced(_)) => Renewal::Lost,
+        Err(_) => Renewal::Retry,
+    }
+}
+
 /// What an attempt needs from its executor.
 #[derive(Debug, Clone)]
 pub struct Context {
@@ -151,22 +188,21 @@ async fn attempt(
         tokio::spawn(async move {
             loop {
                 tokio::time::sleep(every).await;
-                match store.renew(&lease, version).await {
-                    Ok(_) => {}
-                    // the gateway has not committed *invocation began* yet: the lease itself
-                    // is current, so ask again at the next tick
-                    Err(StoreError::Fenced(FenceReason::StaleCheckpoint { durable, .. }))
-                        if durable < version => {}
-                    // the gateway recorded the answer (*response observed*): the call is over,
-                    // and its answer is on its way here
-                    Err(StoreError::Fenced(FenceReason::StaleCheckpoint { durable, .. }))
-                        if durable > version =>
-                    {
-                        return;
-                    }
-                    Err(e) => {
+                let result = store.renew(&lease, version).await;
+                match after_renewal(&result, version) {
+                    Renewal::Continue => {}
+                    Renewal::Retry => {
                         counter!(z29c_telemetry::LEASE_RENEWAL_FAILURES).increment(1);
-                        tracing::info!(step = %lease.step, error = %e, "renewal refused; finishing the call, then stopping");
+                        if let Err(e) = &result {
+                            tracing::warn!(step = %lease.step, error = %e, "renewal failed; trying again at the next tick");
+                        }
+                    }
+                    Renewal::Answered => return,
+                    Renewal::Lost => {
+                        counter!(z29c_telemetry::LEASE_RENEWAL_FAILURES).increment(1);
+                        if let Err(e) = &result {
+                            tracing::info!(step = %lease.step, error = %e, "renewal refused; finishing the call, then stopping");
+                        }
                         return;
                     }
                 }
@@ -313,5 +349,80 @@ fn deadlines(step: &ClaimedStep, claimed_at: Instant) -> Deadlines {
         attempt_left: left(step.attempt_deadline),
         workflow_left: step.workflow_deadline.map(left),
         final_grace: step.policy.final_grace,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use z29c_core::{LeaseVersion, StepState};
+
+    use super::*;
+
+    const BEGUN: i64 = 4;
+
+    fn fenced(reason: FenceReason) -> Result<(), StoreError> {
+        Err(StoreError::Fenced(reason))
+    }
+
+    fn stale(durable: i64) -> Result<(), StoreError> {
+        fenced(FenceReason::StaleCheckpoint {
+            presented: BEGUN,
+            durable,
+        })
+    }
+
+    #[test]
+    fn a_renewed_lease_keeps_renewing() {
+        assert_eq!(after_renewal(&Ok(()), BEGUN), Renewal::Continue);
+    }
+
+    #[test]
+    fn a_call_not_begun_yet_keeps_renewing() {
+        assert_eq!(after_renewal(&stale(BEGUN - 1), BEGUN), Renewal::Continue);
+    }
+
+    #[test]
+    fn an_answer_on_record_ends_the_renewal() {
+        assert_eq!(after_renewal(&stale(BEGUN + 1), BEGUN), Renewal::Answered);
+    }
+
+    #[test]
+    fn a_database_that_cannot_be_reached_is_asked_again() {
+        let dropped = Err::<(), _>(StoreError::Transient(sqlx::Error::PoolTimedOut));
+        assert_eq!(after_renewal(&dropped, BEGUN), Renewal::Retry);
+        let other = Err::<(), _>(StoreError::Database(sqlx::Error::Protocol("eof".into())));
+        assert_eq!(after_renewal(&other, BEGUN), Renewal::Retry);
+    }
+
+    #[test]
+    fn every_other_refusal_of_the_fence_means_the_lease_is_lost() {
+        let refusals = [
+            FenceReason::Superseded {
+                presented: LeaseVersion::new(1).unwrap(),
+                current: LeaseVersion::new(2).unwrap(),
+            },
+            FenceReason::NotOwner,
+            FenceReason::NotLeased {
+                state: StepState::Ready,
+            },
+            FenceReason::Expired,
+            FenceReason::NotCurrentAttempt,
+            FenceReason::AttemptDeadlineReached,
+            FenceReason::Changed,
+            // a renewal that carries the checkpoint version the store holds is never refused
+            // as stale; if it were, the lease is not this attempt's to keep
+            FenceReason::StaleCheckpoint {
+                presented: BEGUN,
+                durable: BEGUN,
+            },
+        ];
+        for reason in refusals {
+            let shown = reason.to_string();
+            assert_eq!(
+                after_renewal(&fenced(reason), BEGUN),
+                Renewal::Lost,
+                "{shown}"
+            );
+        }
     }
 }

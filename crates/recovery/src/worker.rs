@@ -8,7 +8,8 @@ use serde_json::{Value, json};
 use tracing::Instrument;
 use z29c_bus::gateways::Gateways;
 use z29c_core::recovery::{
-    AfterQuery, AfterReconcile, QueryAnswer, after_reconcile, after_status_query,
+    AfterQuery, AfterReconcile, QueryAnswer, RecordedAnswer, after_reconcile, after_status_query,
+    waits_for_call,
 };
 use z29c_core::{
     AdapterCapability, ExternalReference, InputDigest, LeaseClaim, Outcome, OwnerId,
@@ -29,6 +30,8 @@ pub struct Context {
 }
 
 const QUERY_TIMEOUT: Duration = Duration::from_secs(5);
+/// How often recovery looks again at a step whose expired attempt's call is still in flight.
+const CALL_RECHECK: Duration = Duration::from_secs(2);
 /// How long a gateway that does not answer Describe is asked again before recovery gives up
 /// on it and treats the adapter as opaque.
 const DESCRIBE_PATIENCE: Duration = Duration::from_secs(3);
@@ -86,6 +89,16 @@ async fn decide_on(
     );
     let lease = &rec.lease;
     let snap = &rec.snapshot;
+    if let Some(call) = &snap.call_in_flight
+        && waits_for_call(decision, holds_call(ctx, &call.gateway).await)
+    {
+        // look again when the call has had time to answer, and no later than its deadline
+        tracing::info!(step = %expired.step, %decision, gateway = %call.gateway, until = %call.until, "the expired attempt's call is still in flight; deciding once it has answered");
+        return ctx
+            .store
+            .wait_for_call(lease, call.until, CALL_RECHECK)
+            .await;
+    }
     let record = |decision: RecoveryDecision, detail: Value| DecisionRecord {
         category,
         decision,
@@ -199,17 +212,18 @@ async fn decide_on(
         RecoveryDecision::Reconcile => {
             decide(ctx, lease, &record(decision, json!({}))).await?;
             let matching = snap.matching_observations();
-            let references: Vec<&str> = matching
+            let answers: Vec<RecordedAnswer<'_>> = matching
                 .iter()
-                .filter_map(|o| o.external_reference.as_deref())
+                .map(|o| RecordedAnswer {
+                    outcome: o.outcome.parse().ok(),
+                    reference: o.external_reference.as_deref(),
+                })
                 .collect();
-            let distinct: std::collections::BTreeSet<&str> = references.iter().copied().collect();
-            match (
-                after_reconcile(matching.len(), distinct.len()),
-                matching.first(),
-            ) {
-                (AfterReconcile::CommitObserved, Some(first)) => {
-                    let outcome: Outcome = first.outcome.parse().unwrap_or(Outcome::Failed);
+            let distinct: std::collections::BTreeSet<&str> =
+                answers.iter().filter_map(|a| a.reference).collect();
+            match after_reconcile(&answers) {
+                AfterReconcile::CommitObserved { index, outcome } => {
+                    let first = matching[index];
                     let observed = observed(
                         snap,
                         outcome,
@@ -228,7 +242,7 @@ async fn decide_on(
                     )
                     .await?;
                 }
-                (AfterReconcile::IntegrityConflict, _) => {
+                AfterReconcile::IntegrityConflict => {
                     let identity = snap.request_identity.clone().unwrap_or_default();
                     let mut refs = distinct.iter();
                     ctx.store
@@ -249,12 +263,12 @@ async fn decide_on(
                         )
                         .await?;
                 }
-                (AfterReconcile::NoEvidence | AfterReconcile::CommitObserved, _) => {
+                AfterReconcile::NoEvidence => {
                     decide(ctx,
                             lease,
                             &record(
                                 RecoveryDecision::HumanReview,
-                                json!({ "reason": "a response was observed but no evidence of it was kept" }),
+                                json!({ "reason": "a response was observed but no answer on record says what happened" }),
                             ),
                         )
                         .await?;
@@ -272,6 +286,18 @@ async fn decide_on(
         }
     }
     Ok(())
+}
+
+/// Whether `gateway` is registered, so the call it holds a permit for may still answer. A
+/// gateway that died is gone from the registry within its registration's lifetime, and one
+/// that started again under the same name has already turned its earlier calls' permits into
+/// unknown outcomes.
+async fn holds_call(ctx: &Context, gateway: &str) -> bool {
+    ctx.gateways
+        .records(false)
+        .await
+        .iter()
+        .any(|g| g.id == gateway)
 }
 
 /// Whether asking again later may bring an answer: the destination said it is still

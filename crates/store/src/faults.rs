@@ -136,10 +136,13 @@ pub enum Break {
     /// A full operation class still grants a permit (one without a slot): the adapter's
     /// limit no longer bounds the calls in flight.
     PermitLimitIgnored,
+    /// Recovery acts on a step while its expired attempt's call is still in flight at a
+    /// gateway, so a person reviews it before its answer is in.
+    ReviewDuringCall,
 }
 
 impl Break {
-    pub const ALL: [Break; 7] = [
+    pub const ALL: [Break; 8] = [
         Break::CurrentAttemptOnly,
         Break::NewIdentityPerRetry,
         Break::OpaqueRetried,
@@ -147,6 +150,7 @@ impl Break {
         Break::InProgressAsNotFound,
         Break::LateResultDropped,
         Break::PermitLimitIgnored,
+        Break::ReviewDuringCall,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -158,6 +162,7 @@ impl Break {
             Break::InProgressAsNotFound => "in_progress_as_not_found",
             Break::LateResultDropped => "late_result_dropped",
             Break::PermitLimitIgnored => "permit_limit_ignored",
+            Break::ReviewDuringCall => "review_during_call",
         }
     }
 }

@@ -236,6 +236,44 @@ impl Store {
         Ok(())
     }
 
+    /// Turns the permits `gateway` holds for `adapter` into unknown outcomes counting for
+    /// `safety_window`, and never longer than they counted already: called by a gateway as it starts, when any permit it holds is a call
+    /// of its earlier run, ended with that process. Returns how many there were.
+    pub async fn hold_earlier_permits_unknown(
+        &self,
+        gateway: &str,
+        adapter: &str,
+        safety_window: Duration,
+    ) -> Result<u64> {
+        Ok(sqlx::query(
+            "WITH held AS (
+                 -- looked up through the slots they occupy (as few as the adapter's limits)
+                 SELECT p.id FROM adapter_permit_slots slot
+                 JOIN adapter_permits p ON p.id = slot.permit_id
+                 WHERE slot.adapter = $2 AND p.gateway = $1 AND p.state = 'held'
+             ), p AS (
+                 UPDATE adapter_permits
+                 SET state = 'unknown',
+                     expires_at = LEAST(expires_at,
+                                        clock_timestamp() + $3::bigint * interval '1 millisecond')
+                 WHERE id IN (SELECT id FROM held)
+                 RETURNING id, adapter, operation_class, slot, expires_at
+             ), moved AS (
+                 UPDATE adapter_permit_slots s SET expires_at = p.expires_at
+                 FROM p
+                 WHERE (s.adapter, s.operation_class, s.slot, s.permit_id)
+                       = (p.adapter, p.operation_class, p.slot, p.id)
+             )
+             SELECT 1 FROM p",
+        )
+        .bind(gateway)
+        .bind(adapter)
+        .bind(millis(safety_window))
+        .execute(&self.pool)
+        .await?
+        .rows_affected())
+    }
+
     /// Records the end of permits whose time ran out without a release (a holder that died, or
     /// an unknown outcome whose safety window passed): they stopped counting at `expires_at`,
     /// and now the history says so and why. Returns how many were closed.

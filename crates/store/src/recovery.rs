@@ -15,12 +15,13 @@ use z29c_core::{
     WorkflowId, WorkflowState,
 };
 
+use crate::ending::{Receipt, ReceiptRow, open_review, receipt_columns};
+use crate::ending::{end_workflow, stop_unstarted_steps};
 use crate::error::parse;
 use crate::events::{self, EventKind, NewEvent};
 use crate::faults::{self, Break};
-use crate::leases::{Observed, end_workflow, finish_step, stop_unstarted_steps};
+use crate::leases::{Observed, finish_step};
 use crate::outbox::{self, MessageKind};
-use crate::workflows::{Receipt, ReceiptRow, open_review, receipt_columns};
 use crate::{Result, Store, StoreError, fence, millis};
 
 /// A lease that passed `expires_at` by PostgreSQL's clock.
@@ -119,6 +120,18 @@ pub struct RecoverySnapshot {
     pub max_attempts: i32,
     /// The workflow's W3C `traceparent`: recovery's spans join the submission's trace.
     pub trace_context: Option<String>,
+    /// The expired attempt's call, while a gateway still holds its permit.
+    pub call_in_flight: Option<CallInFlight>,
+}
+
+/// A call a gateway holds a permit for: it may still answer.
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+pub struct CallInFlight {
+    /// The gateway that holds the permit; a gateway no longer registered holds no call.
+    pub gateway: String,
+    /// When the permit stops counting, unless the gateway releases it first (with the answer
+    /// on record): the call's own deadline, and a little.
+    pub until: DateTime<Utc>,
 }
 
 impl RecoverySnapshot {
@@ -359,6 +372,17 @@ impl Store {
         .bind(attempt)
         .fetch_one(&mut *tx)
         .await?;
+        // the expired attempt's call, if a gateway still holds its permit; permits are looked
+        // up through the slots they occupy (a table as small as the adapters' limits)
+        let call_in_flight: Option<CallInFlight> = sqlx::query_as(
+            "SELECT p.gateway, slot.expires_at AS until
+             FROM adapter_permit_slots slot JOIN adapter_permits p ON p.id = slot.permit_id
+             WHERE p.attempt_id = $1 AND p.state = 'held' AND slot.expires_at > now()
+             ORDER BY slot.expires_at DESC LIMIT 1",
+        )
+        .bind(attempt)
+        .fetch_optional(&mut *tx)
+        .await?;
         tx.commit().await?;
 
         let lease = LeaseClaim {
@@ -389,8 +413,37 @@ impl Store {
                     && !faults::broken(Break::CurrentAttemptOnly),
                 max_attempts: row.max_attempts,
                 trace_context: row.trace_context,
+                call_in_flight: call_in_flight.filter(|_| !faults::broken(Break::ReviewDuringCall)),
             },
         })
+    }
+
+    /// Leaves the step with recovery for `recheck`, and no later than `until`, by PostgreSQL's
+    /// clock: its expired attempt's call is still in flight, and recovery decides once the
+    /// answer is on record or the call's deadline has passed
+    /// (`z29c_core::recovery::waits_for_call`). The recovery lease simply runs out then, and
+    /// the step is taken up again. Fenced by the recovery lease.
+    pub async fn wait_for_call(
+        &self,
+        lease: &LeaseClaim,
+        until: DateTime<Utc>,
+        recheck: Duration,
+    ) -> Result<()> {
+        let mut tx = self.begin().await?;
+        fence::fence(&mut tx, lease, FencedWrite::Release).await?;
+        sqlx::query(
+            "UPDATE steps
+             SET expires_at = LEAST($2, now() + $3::bigint * interval '1 millisecond'),
+                 updated_at = now()
+             WHERE id = $1",
+        )
+        .bind(lease.step.as_uuid())
+        .bind(until)
+        .bind(millis(recheck))
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(())
     }
 
     /// Records a decision (append-only) and applies the transition it implies, in one fenced
