@@ -27,43 +27,43 @@ pub enum Invariant {
     /// Effects, counted in the destination's ledger per step, are what the step's end says: a
     /// completed step has exactly one and its receipt names it; a failed, cancelled or never
     /// started step has none; a manual "succeeded REF" names an effect the ledger has.
-    A,
+    EffectMatchesEnd,
     /// No receipt committed under a stale lease (superseded or expired).
-    B,
+    NoStaleReceipt,
     /// No step lost: each ended completed, failed by policy, or in review.
-    C,
+    NoStepLost,
     /// An opaque request reaches the destination at most once; an unknown outcome at an
     /// opaque adapter goes to review, never retried automatically.
-    D,
+    OpaqueSentOnce,
     /// A stale worker's late result is only evidence.
-    E,
+    LateResultIsEvidence,
     /// The permit limit is never exceeded: not in the permits z29c granted, not in the
     /// requests the destination was processing at once.
-    F,
+    PermitLimitHeld,
     /// Enough steps completed that the run proves something.
     Progress,
 }
 
 impl Invariant {
     pub const ALL: [Invariant; 7] = [
-        Invariant::A,
-        Invariant::B,
-        Invariant::C,
-        Invariant::D,
-        Invariant::E,
-        Invariant::F,
+        Invariant::EffectMatchesEnd,
+        Invariant::NoStaleReceipt,
+        Invariant::NoStepLost,
+        Invariant::OpaqueSentOnce,
+        Invariant::LateResultIsEvidence,
+        Invariant::PermitLimitHeld,
         Invariant::Progress,
     ];
 
     pub fn label(self) -> &'static str {
         match self {
-            Invariant::A => "A",
-            Invariant::B => "B",
-            Invariant::C => "C",
-            Invariant::D => "D",
-            Invariant::E => "E",
-            Invariant::F => "F",
-            Invariant::Progress => "min",
+            Invariant::EffectMatchesEnd => "effect-matches-end",
+            Invariant::NoStaleReceipt => "no-stale-receipt",
+            Invariant::NoStepLost => "no-step-lost",
+            Invariant::OpaqueSentOnce => "opaque-sent-once",
+            Invariant::LateResultIsEvidence => "late-result-is-evidence",
+            Invariant::PermitLimitHeld => "permit-limit-held",
+            Invariant::Progress => "min-completed",
         }
     }
 }
@@ -412,12 +412,12 @@ impl History {
             self.receipts.iter().map(|r| (r.step_id, r)).collect();
         let open_reviews: BTreeSet<Uuid> = self.open_reviews.iter().copied().collect();
 
-        // A: effects counted where the outside world records them, per step
+        // effect-matches-end: effects counted where the outside world records them, per step
         let (world, orphans) = self.outside_world();
         let none = Seen::default();
         for l in orphans {
             v(
-                Invariant::A,
+                Invariant::EffectMatchesEnd,
                 format!(
                     "effect {} on route {} (key {:?}) belongs to no step",
                     l.reference, l.route, l.idempotency_key
@@ -438,7 +438,7 @@ impl History {
                         // for this step, and no second effect beside it
                         if !all_references.contains(reference) {
                             v(
-                                Invariant::A,
+                                Invariant::EffectMatchesEnd,
                                 format!(
                                     "step {}: resolved by hand as succeeded with {reference:?}, which the destination never recorded",
                                     s.id
@@ -446,7 +446,7 @@ impl History {
                             );
                         } else if !effects.contains(&reference) || effects.len() > 1 {
                             v(
-                                Invariant::A,
+                                Invariant::EffectMatchesEnd,
                                 format!(
                                     "step {}: resolved by hand as succeeded with {reference:?}; the destination recorded for it: {effects:?}",
                                     s.id
@@ -455,7 +455,7 @@ impl History {
                         }
                     } else if effects.len() != 1 || !effects.contains(&reference) {
                         v(
-                            Invariant::A,
+                            Invariant::EffectMatchesEnd,
                             format!(
                                 "step {} completed with receipt {reference:?}; the destination recorded {} effect(s) for it: {effects:?}",
                                 s.id,
@@ -465,12 +465,12 @@ impl History {
                     }
                 }
                 // a step that ended without a receipt of success must have left no effect
-                // (leased and recovering steps are C's: a run ends with none)
+                // (leased and recovering steps are no-step-lost's: a run ends with none)
                 "failed" | "cancelled" | "ready" | "blocked"
                     if !effects.is_empty() && !open_reviews.contains(&s.id) =>
                 {
                     v(
-                        Invariant::A,
+                        Invariant::EffectMatchesEnd,
                         format!(
                             "step {} is {} (workflow {}) but the destination recorded {} effect(s) for it: {effects:?}",
                             s.id,
@@ -492,7 +492,7 @@ impl History {
                 .is_some_and(|s| s.state != "completed")
             {
                 v(
-                    Invariant::A,
+                    Invariant::EffectMatchesEnd,
                     format!(
                         "step {}: a receipt of success, but the step is {}",
                         r.step_id,
@@ -502,7 +502,7 @@ impl History {
             }
         }
 
-        // B: each receipt's lease was current (not superseded, not expired) when it committed
+        // no-stale-receipt: each receipt's lease was current (not superseded, not expired) when it committed
         for r in &self.receipts {
             if r.verification == "manual" {
                 continue;
@@ -521,7 +521,7 @@ impl History {
                     )
             }) {
                 v(
-                    Invariant::B,
+                    Invariant::NoStaleReceipt,
                     format!(
                         "step {}: receipt under lease version {} committed at {} after version {} was acquired by {:?} at {}",
                         r.step_id,
@@ -544,7 +544,7 @@ impl History {
                     if r.committed_at > expiry + Duration::milliseconds(CLOCK_SLACK_MS) =>
                 {
                     v(
-                        Invariant::B,
+                        Invariant::NoStaleReceipt,
                         format!(
                             "step {}: receipt committed at {} under lease version {} that expired at {expiry}",
                             r.step_id, r.committed_at, r.lease_version
@@ -553,7 +553,7 @@ impl History {
                 }
                 Some(_) => {}
                 None => v(
-                    Invariant::B,
+                    Invariant::NoStaleReceipt,
                     format!(
                         "step {}: receipt under lease version {} that the history never granted",
                         r.step_id, r.lease_version
@@ -562,7 +562,7 @@ impl History {
             }
         }
 
-        // C: nothing lost
+        // no-step-lost: nothing lost
         for s in &self.steps {
             let ok = match s.state.as_str() {
                 "completed" => receipts
@@ -590,7 +590,7 @@ impl History {
             };
             if !ok {
                 v(
-                    Invariant::C,
+                    Invariant::NoStepLost,
                     format!(
                         "step {} is {} (workflow {}), receipt: {}, open review: {}",
                         s.id,
@@ -607,13 +607,13 @@ impl History {
                 && !self.integrity_conflicts.contains(id)
             {
                 v(
-                    Invariant::C,
+                    Invariant::NoStepLost,
                     format!("step {id} has an open review item but is not in review"),
                 );
             }
         }
 
-        // D: opaque requests reach the destination at most once, and what an opaque adapter
+        // opaque-sent-once: opaque requests reach the destination at most once, and what an opaque adapter
         // left unknown goes to review
         for s in &self.steps {
             if capability(&s.adapter) != Some(AdapterCapability::Opaque) {
@@ -633,7 +633,7 @@ impl History {
                 .unwrap_or_default();
             if received.len() > 1 {
                 v(
-                    Invariant::D,
+                    Invariant::OpaqueSentOnce,
                     format!(
                         "opaque step {}: the destination received its request {} times (at {})",
                         s.id,
@@ -657,13 +657,13 @@ impl History {
                 .collect();
             if invoked.len() > 1 {
                 v(
-                    Invariant::D,
+                    Invariant::OpaqueSentOnce,
                     format!("opaque step {}: {} invocations began", s.id, invoked.len()),
                 );
             }
             if !invoked.is_empty() && !receipts.contains_key(&s.id) && s.state != "needs_review" {
                 v(
-                    Invariant::D,
+                    Invariant::OpaqueSentOnce,
                     format!(
                         "opaque step {} has an unknown outcome and is {}, not in review",
                         s.id, s.state
@@ -675,13 +675,13 @@ impl History {
                     && matches!(d.decision.as_str(), "retry_same_identity" | "status_query")
             }) {
                 v(
-                    Invariant::D,
+                    Invariant::OpaqueSentOnce,
                     format!("opaque step {}: recovery decided {}", s.id, d.decision),
                 );
             }
         }
 
-        // E: late results are evidence only
+        // late-result-is-evidence: late results are evidence only
         for l in &self.late_observations {
             if let Some(r) = receipts.get(&l.step_id)
                 && r.attempt_id == Some(l.attempt_id)
@@ -689,7 +689,7 @@ impl History {
                 && r.verification == "direct"
             {
                 v(
-                    Invariant::E,
+                    Invariant::LateResultIsEvidence,
                     format!(
                         "step {}: attempt {} is both a receipt and a late observation",
                         l.step_id, l.attempt_id
@@ -698,7 +698,7 @@ impl History {
             }
             if l.fence_reason.get("reason").is_none() {
                 v(
-                    Invariant::E,
+                    Invariant::LateResultIsEvidence,
                     format!("late observation for step {} has no reason", l.step_id),
                 );
             }
@@ -709,7 +709,7 @@ impl History {
                 && !self.integrity_conflicts.contains(&l.step_id)
             {
                 v(
-                    Invariant::E,
+                    Invariant::LateResultIsEvidence,
                     format!(
                         "step {}: late reference {:?} contradicts the receipt's {:?} and no integrity conflict was recorded",
                         l.step_id, l.external_reference, r.external_reference
@@ -718,7 +718,7 @@ impl History {
             }
         }
 
-        // F: permits in flight never above the limit
+        // permit-limit-held: permits in flight never above the limit
         type Changes = Vec<(DateTime<Utc>, i32)>;
         let mut by_class: BTreeMap<(&str, &str), Changes> = BTreeMap::new();
         for p in &self.permits {
@@ -732,7 +732,7 @@ impl History {
             let peak = most_at_once(points);
             if peak > expect.permit_limit {
                 v(
-                    Invariant::F,
+                    Invariant::PermitLimitHeld,
                     format!(
                         "{adapter}/{class}: {peak} permits in flight, limit {}",
                         expect.permit_limit
@@ -770,7 +770,7 @@ impl History {
             let peak = most_at_once(points);
             if peak > expect.permit_limit {
                 v(
-                    Invariant::F,
+                    Invariant::PermitLimitHeld,
                     format!(
                         "the destination processed {peak} requests of {mode}/{route} at once, limit {}",
                         expect.permit_limit
@@ -950,7 +950,7 @@ mod tests {
         h.requests[1].idempotency_key = Some("another-key".into());
         h.ledger[1].idempotency_key = Some("another-key".into());
         assert!(
-            broken(&h).contains(&Invariant::A),
+            broken(&h).contains(&Invariant::EffectMatchesEnd),
             "{:?}",
             h.check(&expect())
         );
@@ -960,7 +960,7 @@ mod tests {
     fn a_receipt_naming_an_effect_the_ledger_lacks_is_caught() {
         let mut h = good();
         h.receipts[0].external_reference = Some("made-up".into());
-        assert!(broken(&h).contains(&Invariant::A));
+        assert!(broken(&h).contains(&Invariant::EffectMatchesEnd));
     }
 
     #[test]
@@ -978,7 +978,7 @@ mod tests {
         attempt(&mut h, 2, 2, "expired", false);
         request(&mut h, 2, 20, Some("dst-9"));
         assert!(
-            broken(&h).contains(&Invariant::A),
+            broken(&h).contains(&Invariant::EffectMatchesEnd),
             "{:?}",
             h.check(&expect())
         );
@@ -990,11 +990,11 @@ mod tests {
         h.steps.push(step(3, IDEMPOTENT, "cancelled", "cancelled"));
         attempt(&mut h, 3, 1, "expired", true);
         request(&mut h, 3, 20, Some("dst-3"));
-        assert!(broken(&h).contains(&Invariant::A));
+        assert!(broken(&h).contains(&Invariant::EffectMatchesEnd));
         h.steps[0].state = "needs_review".into();
         h.open_reviews.push(id(3));
         assert!(
-            !broken(&h).contains(&Invariant::A),
+            !broken(&h).contains(&Invariant::EffectMatchesEnd),
             "{:?}",
             h.check(&expect())
         );
@@ -1011,11 +1011,11 @@ mod tests {
         // the second request failed at the destination: it reached it all the same
         request(&mut h, 4, 900, None);
         h.requests[1].refused = Some("server_error".into());
-        assert!(broken(&h).contains(&Invariant::D));
+        assert!(broken(&h).contains(&Invariant::OpaqueSentOnce));
         // a 429 is a definite "not performed": sending again after it is allowed
         h.requests[1].refused = Some("rate_limited".into());
         assert!(
-            !broken(&h).contains(&Invariant::D),
+            !broken(&h).contains(&Invariant::OpaqueSentOnce),
             "{:?}",
             h.check(&expect())
         );
@@ -1030,7 +1030,7 @@ mod tests {
         receipt(&mut h, 5, "dst-5", "manual");
         assert!(broken(&h).is_empty(), "{:?}", h.check(&expect()));
         h.receipts[0].external_reference = Some("what-the-person-guessed".into());
-        assert!(broken(&h).contains(&Invariant::A));
+        assert!(broken(&h).contains(&Invariant::EffectMatchesEnd));
     }
 
     #[test]
@@ -1052,14 +1052,14 @@ mod tests {
             route: "target".into(),
             request_id: 99,
         });
-        assert!(broken(&h).contains(&Invariant::A));
+        assert!(broken(&h).contains(&Invariant::EffectMatchesEnd));
     }
 
     #[test]
     fn a_completed_step_with_no_effect_is_caught() {
         let mut h = good();
         h.ledger.clear();
-        assert!(broken(&h).contains(&Invariant::A));
+        assert!(broken(&h).contains(&Invariant::EffectMatchesEnd));
     }
 
     #[test]
@@ -1076,14 +1076,16 @@ mod tests {
         assert!(
             found
                 .iter()
-                .any(|v| v.invariant == Invariant::F && v.detail.contains("at once")),
+                .any(|v| v.invariant == Invariant::PermitLimitHeld && v.detail.contains("at once")),
             "{found:?}"
         );
         // one of them finished before the ninth arrived: eight at most
         h.requests[0].finished_at = Some(at(50));
         let found = h.check(&expect());
         assert!(
-            !found.iter().any(|v| v.invariant == Invariant::F),
+            !found
+                .iter()
+                .any(|v| v.invariant == Invariant::PermitLimitHeld),
             "{found:?}"
         );
     }
@@ -1111,7 +1113,9 @@ mod tests {
             ..expect()
         });
         assert!(
-            !found.iter().any(|v| v.invariant == Invariant::F),
+            !found
+                .iter()
+                .any(|v| v.invariant == Invariant::PermitLimitHeld),
             "{found:?}"
         );
         // the same requests, their permits still counting: nine at once
@@ -1123,7 +1127,9 @@ mod tests {
             ..expect()
         });
         assert!(
-            found.iter().any(|v| v.invariant == Invariant::F),
+            found
+                .iter()
+                .any(|v| v.invariant == Invariant::PermitLimitHeld),
             "{found:?}"
         );
     }

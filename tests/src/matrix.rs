@@ -1294,7 +1294,7 @@ pub fn table(results: &[CellResult]) -> String {
             let text = match cells.get(&c) {
                 None => String::new(),
                 Some(r) if r.passed() => format!(
-                    "ABCDEF ok {}/{} {:.0}s",
+                    "ok {}/{} {:.0}s",
                     r.tally.completed,
                     r.tally.steps,
                     r.elapsed.as_secs_f64()
@@ -1317,7 +1317,7 @@ pub fn table(results: &[CellResult]) -> String {
     }
     let passed = results.iter().filter(|r| r.passed()).count();
     out.push_str(&format!(
-        "\n{passed}/{} cells passed. A–F: the invariants of tests/src/history.rs, effects \
+        "\n{passed}/{} cells passed. FAIL names the invariants of tests/src/history.rs broken, effects \
          counted in the destination's own records; ok n/m: steps completed of steps submitted, \
          after a person resolved what went to review from those records; every cell also \
          checks that its fault bit.\n",

@@ -68,7 +68,7 @@ async fn the_checker_catches_a_build_without_receipt_fencing() -> Result<()> {
         broken
             .violations
             .iter()
-            .any(|v| v.invariant == Invariant::B),
+            .any(|v| v.invariant == Invariant::NoStaleReceipt),
         "the stale receipt went unnoticed: {:?} {:?}",
         broken.violations,
         broken.expectations

@@ -148,7 +148,7 @@ async fn two_thousand_workflows_survive_kills_and_a_new_gateway_adds_capacity() 
     assert_eq!(workflows, vec![("completed".to_owned(), WORKFLOWS as i64)]);
 
     // the permit table: two gateways ran at most their capacity at once; with the third,
-    // more calls ran at once; the adapter's limit held throughout (checked above, F)
+    // more calls ran at once; the adapter's limit held throughout (checked above: permit-limit-held)
     let two = calls_in_flight(&pool, two_from, joined).await?;
     let three = calls_in_flight(&pool, joined, killed).await?;
     println!("calls in flight at most: {two} on 2 gateways, {three} on 3 (limit {LIMIT})");

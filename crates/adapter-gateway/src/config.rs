@@ -12,19 +12,14 @@ use z29c_core::AdapterCapability;
 pub struct GatewayConfig {
     /// This instance's name in the registry and in permits.
     pub id: String,
+    /// The fields every service has (database, NATS, metrics), at the top level.
+    #[serde(flatten)]
+    pub shared: z29c_runtime::SharedConfig,
     pub listen: SocketAddr,
     /// The gRPC address registered for executors (`http://host:port`); by default the bound
     /// address, which is right on one host but not behind `0.0.0.0` in a container or pod.
     pub advertise: Option<String>,
-    pub database_url: String,
     pub max_connections: u32,
-    pub nats_url: String,
-    /// TLS to NATS (with `tls://` URLs): CA for the server's certificate, and this process's
-    /// certificate for servers that verify clients. PostgreSQL's TLS is set in
-    /// `database_url` (`sslmode=verify-full&sslrootcert=…&sslcert=…&sslkey=…`).
-    pub nats_tls: z29c_security::TlsConfig,
-    /// NATS subject/stream prefix shared by one deployment.
-    pub prefix: String,
     pub adapters: Vec<AdapterConfig>,
     /// Calls this instance runs at once, over all adapters; more are answered "rate limited,
     /// retry shortly" so the executor gives the step back. Adding an instance adds this much
@@ -33,8 +28,6 @@ pub struct GatewayConfig {
     /// Where the gRPC health protocol alone is served without TLS (kubelet probes cannot
     /// present a client certificate), if anywhere.
     pub health_listen: Option<std::net::SocketAddr>,
-    /// Where `/metrics` is served (Prometheus), if anywhere.
-    pub metrics_listen: Option<SocketAddr>,
     /// Invocation batching: *invocation began* and the permits of calls that arrive together
     /// share one statement, up to this many (each call fenced on its own; a call that
     /// statement cannot take, such as one whose lease is not current or whose class is full,
@@ -68,17 +61,13 @@ impl Default for GatewayConfig {
     fn default() -> Self {
         Self {
             id: "gateway-1".into(),
+            shared: z29c_runtime::SharedConfig::default(),
             listen: "127.0.0.1:50052".parse().expect("literal address"),
             advertise: None,
-            database_url: "postgres://postgres:postgres@127.0.0.1:5432/z29c".into(),
             max_connections: 8,
-            nats_url: "nats://127.0.0.1:4222".into(),
-            nats_tls: Default::default(),
-            prefix: "z29c".into(),
             adapters: vec![AdapterConfig::default()],
             max_calls: 256,
             health_listen: None,
-            metrics_listen: None,
             invocation_batch: 32,
             invocation_committers: 2,
             release_linger_ms: 5,
@@ -126,5 +115,57 @@ impl Default for AdapterConfig {
             permit_hold_ms: 60_000,
             safety_window_ms: 120_000,
         }
+    }
+}
+
+impl z29c_runtime::Validate for GatewayConfig {
+    fn validate(&self) -> Result<(), z29c_runtime::config::Invalid> {
+        use z29c_runtime::config::{Invalid, at_least_one};
+        self.shared.validate()?;
+        self.grpc.validate()?;
+        at_least_one("max_connections", self.max_connections as usize)?;
+        at_least_one("max_calls", self.max_calls)?;
+        at_least_one("invocation_batch", self.invocation_batch)?;
+        at_least_one("invocation_committers", self.invocation_committers)?;
+        at_least_one("max_request_bytes", self.max_request_bytes)?;
+        if self.adapters.is_empty() {
+            return Err(Invalid::new(
+                "adapters",
+                "a gateway serves at least one adapter",
+            ));
+        }
+        let mut names = std::collections::BTreeSet::new();
+        for (i, a) in self.adapters.iter().enumerate() {
+            let field = |f: &str| format!("adapters[{i}].{f}");
+            if a.name.is_empty() {
+                return Err(Invalid::new(field("name"), "must not be empty"));
+            }
+            if !names.insert(a.name.as_str()) {
+                return Err(Invalid::new(
+                    field("name"),
+                    format!("{:?} is served twice by this gateway", a.name),
+                ));
+            }
+            if !(a.base_url.starts_with("http://") || a.base_url.starts_with("https://")) {
+                return Err(Invalid::new(
+                    field("base_url"),
+                    format!("{:?} is not an http:// or https:// URL", a.base_url),
+                ));
+            }
+            let limit = |f: String, v: u32| {
+                if v == 0 || i32::try_from(v).is_err() {
+                    return Err(Invalid::new(
+                        f,
+                        format!("{v} is not between 1 and {}", i32::MAX),
+                    ));
+                }
+                Ok(())
+            };
+            limit(field("default_limit"), a.default_limit)?;
+            for (class, v) in &a.limits {
+                limit(field(&format!("limits.{class}")), *v)?;
+            }
+        }
+        Ok(())
     }
 }

@@ -55,7 +55,7 @@ pub struct Gateway {
 
 impl Gateway {
     pub fn new(config: GatewayConfig, store: Store, invocations: InvocationPath) -> Self {
-        let calls = Arc::new(Semaphore::new(config.max_calls.max(1)));
+        let calls = Arc::new(Semaphore::new(config.max_calls));
         Self {
             config,
             store,
@@ -136,7 +136,7 @@ impl Gateway {
     }
 
     fn max_call(&self) -> Duration {
-        Duration::from_millis(self.config.grpc.max_deadline_ms.max(1))
+        Duration::from_millis(self.config.grpc.max_deadline_ms)
     }
 
     fn adapter(&self, name: &str) -> Result<&AdapterConfig, Status> {

@@ -120,14 +120,20 @@ pub(crate) async fn run(args: DevArgs) -> anyhow::Result<()> {
         });
     }
 
+    // what every service is given alike: this run's database, NATS and prefix
+    let shared = z29c_runtime::SharedConfig {
+        database_url: z29c_security::DatabaseUrl::parse(&infra.database_url)
+            .map_err(|e| anyhow::anyhow!("database URL: {e}"))?,
+        nats_url: infra.nats_url.clone(),
+        prefix: prefix.clone(),
+        ..z29c_runtime::SharedConfig::default()
+    };
     let mut tasks = Vec::new();
     let (gw_ready, gw_addr) = tokio::sync::oneshot::channel();
     let gateway = GatewayConfig {
         id: "gateway-1".into(),
         listen: "127.0.0.1:0".parse()?,
-        database_url: infra.database_url.clone(),
-        nats_url: infra.nats_url.clone(),
-        prefix: prefix.clone(),
+        shared: shared.clone(),
         adapters: vec![AdapterConfig {
             base_url: destination_url.clone(),
             ..AdapterConfig::default()
@@ -149,9 +155,7 @@ pub(crate) async fn run(args: DevArgs) -> anyhow::Result<()> {
     let (sched_ready, sched_addr) = tokio::sync::oneshot::channel();
     let scheduler = SchedulerConfig {
         listen: "127.0.0.1:0".parse()?,
-        database_url: infra.database_url.clone(),
-        nats_url: infra.nats_url.clone(),
-        prefix: prefix.clone(),
+        shared: shared.clone(),
         tls: security.tls.clone(),
         auth: security.auth.clone(),
         ..SchedulerConfig::default()
@@ -170,9 +174,7 @@ pub(crate) async fn run(args: DevArgs) -> anyhow::Result<()> {
     for i in 0..args.executors.max(1) {
         let executor = ExecutorConfig {
             id: format!("executor-{}", i + 1),
-            database_url: infra.database_url.clone(),
-            nats_url: infra.nats_url.clone(),
-            prefix: prefix.clone(),
+            shared: shared.clone(),
             tls: security.tls.clone(),
             ..ExecutorConfig::default()
         };
@@ -180,9 +182,7 @@ pub(crate) async fn run(args: DevArgs) -> anyhow::Result<()> {
     }
     let recovery = z29c_recovery::RecoveryConfig {
         listen: "127.0.0.1:0".parse()?,
-        database_url: infra.database_url.clone(),
-        nats_url: infra.nats_url.clone(),
-        prefix: prefix.clone(),
+        shared: shared.clone(),
         tls: security.tls.clone(),
         auth: security.auth.clone(),
         ..z29c_recovery::RecoveryConfig::default()

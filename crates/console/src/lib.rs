@@ -63,6 +63,24 @@ impl Default for ConsoleConfig {
     }
 }
 
+impl z29c_runtime::Validate for ConsoleConfig {
+    fn validate(&self) -> Result<(), z29c_runtime::config::Invalid> {
+        use z29c_runtime::config::Invalid;
+        for (field, url) in [
+            ("workflow_server", &self.workflow_server),
+            ("review_server", &self.review_server),
+        ] {
+            if !(url.starts_with("http://") || url.starts_with("https://")) {
+                return Err(Invalid::new(
+                    field,
+                    format!("{url:?} is not an http:// or https:// address"),
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
 #[derive(Clone)]
 struct App {
     workflows: Channel,

@@ -7,14 +7,10 @@ use serde::{Deserialize, Serialize};
 pub struct ExecutorConfig {
     /// Lease owner name; unique per instance.
     pub id: String,
-    pub database_url: String,
+    /// The fields every service has (database, NATS, metrics), at the top level.
+    #[serde(flatten)]
+    pub shared: z29c_runtime::SharedConfig,
     pub max_connections: u32,
-    pub nats_url: String,
-    /// TLS to NATS (with `tls://` URLs): CA for the server's certificate, and this process's
-    /// certificate for servers that verify clients. PostgreSQL's TLS is set in
-    /// `database_url` (`sslmode=verify-full&sslrootcert=…&sslcert=…&sslkey=…`).
-    pub nats_tls: z29c_security::TlsConfig,
-    pub prefix: String,
     /// Attempts run at once.
     pub workers: usize,
     /// Most steps claimed in one statement.
@@ -41,8 +37,6 @@ pub struct ExecutorConfig {
     pub receipt_committers: usize,
     /// Time given to attempts in flight after a shutdown signal.
     pub shutdown_grace_ms: u64,
-    /// Where `/metrics` is served (Prometheus), if anywhere.
-    pub metrics_listen: Option<std::net::SocketAddr>,
     /// Where the gRPC health protocol is served (SERVING while PostgreSQL answers and NATS
     /// is connected), if anywhere: the executor has no other server.
     pub health_listen: Option<std::net::SocketAddr>,
@@ -72,11 +66,8 @@ impl Default for ExecutorConfig {
     fn default() -> Self {
         Self {
             id: "executor-1".into(),
-            database_url: "postgres://postgres:postgres@127.0.0.1:5432/z29c".into(),
+            shared: z29c_runtime::SharedConfig::default(),
             max_connections: 10,
-            nats_url: "nats://127.0.0.1:4222".into(),
-            nats_tls: Default::default(),
-            prefix: "z29c".into(),
             workers: 16,
             claim_batch: 8,
             claim_ahead: None,
@@ -85,7 +76,6 @@ impl Default for ExecutorConfig {
             receipt_batch: 32,
             receipt_committers: 2,
             shutdown_grace_ms: 10_000,
-            metrics_listen: None,
             health_listen: None,
             tls: Default::default(),
             #[cfg(feature = "faults")]
@@ -97,5 +87,24 @@ impl Default for ExecutorConfig {
             #[cfg(feature = "faults")]
             fault_break_receipt_fencing: false,
         }
+    }
+}
+
+impl z29c_runtime::Validate for ExecutorConfig {
+    fn validate(&self) -> Result<(), z29c_runtime::config::Invalid> {
+        use z29c_runtime::config::at_least_one;
+        self.shared.validate()?;
+        at_least_one("max_connections", self.max_connections as usize)?;
+        at_least_one("workers", self.workers)?;
+        at_least_one("claim_batch", self.claim_batch)?;
+        at_least_one("receipt_batch", self.receipt_batch)?;
+        at_least_one("receipt_committers", self.receipt_committers)?;
+        if self.poll_ms == 0 {
+            return Err(z29c_runtime::config::Invalid::new(
+                "poll_ms",
+                "must be at least 1 (the executor would poll PostgreSQL without pause)",
+            ));
+        }
+        Ok(())
     }
 }

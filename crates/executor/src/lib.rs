@@ -19,17 +19,18 @@
 //! # Layout
 //! - [`config`]: executor configuration.
 //! - [`attempt`]: one attempt, checkpoint by checkpoint.
+//! - `claims`: the claim loop, and the rules for how many steps it claims and when.
 
 pub mod attempt;
+mod claims;
 pub mod config;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use anyhow::Context;
 use futures::StreamExt;
-use tokio::sync::{Notify, Semaphore};
+use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
@@ -44,7 +45,7 @@ pub use config::ExecutorConfig;
 /// Runs the executor until `shutdown` is cancelled, then drains within the grace period.
 pub async fn run(config: ExecutorConfig, shutdown: CancellationToken) -> anyhow::Result<()> {
     let owner = OwnerId::parse(config.id.clone()).context("executor id")?;
-    if let Some(addr) = config.metrics_listen {
+    if let Some(addr) = config.shared.metrics_listen {
         z29c_telemetry::serve_prometheus(addr).context("serve /metrics")?;
         z29c_telemetry::zero_counters(&[
             z29c_telemetry::LEASE_ACQUISITIONS,
@@ -64,12 +65,16 @@ pub async fn run(config: ExecutorConfig, shutdown: CancellationToken) -> anyhow:
             z29c_store::faults::break_receipt_fencing();
         }
     }
-    let store = Store::connect(&config.database_url, config.max_connections)
+    let store = Store::connect(config.shared.database_url.expose(), config.max_connections)
         .await
         .context("connect to PostgreSQL")?;
-    let bus = Bus::connect_with(&config.nats_url, &config.prefix, &config.nats_tls)
-        .await
-        .context("connect to NATS")?;
+    let bus = Bus::connect_with(
+        &config.shared.nats_url,
+        &config.shared.prefix,
+        &config.shared.nats_tls,
+    )
+    .await
+    .context("connect to NATS")?;
     if let Some(addr) = config.health_listen {
         z29c_runtime::serve_plain_health(
             addr,
@@ -85,9 +90,12 @@ pub async fn run(config: ExecutorConfig, shutdown: CancellationToken) -> anyhow:
     // when batching is on
     let receipts = if config.receipt_batch > 1 {
         ReceiptPath::Batched(z29c_store::receipts::ReceiptBatches::start(
-            &Store::connect_committers(&config.database_url, config.receipt_committers)
-                .await
-                .context("connect the receipt committers to PostgreSQL")?,
+            &Store::connect_committers(
+                config.shared.database_url.expose(),
+                config.receipt_committers,
+            )
+            .await
+            .context("connect the receipt committers to PostgreSQL")?,
             &store,
             config.receipt_committers,
             config.receipt_batch,
@@ -108,137 +116,27 @@ pub async fn run(config: ExecutorConfig, shutdown: CancellationToken) -> anyhow:
         shutdown.clone(),
     ));
 
-    let slots = Arc::new(Semaphore::new(config.workers));
-    // leases held at once: every worker's, and the steps claimed ahead waiting for a worker
-    let ahead = config.claim_ahead.unwrap_or(config.workers / 4);
-    let leases = Arc::new(Semaphore::new(config.workers + ahead));
-    // answered steps whose receipts are being recorded: their workers have gone on to the
-    // next call, so these hold leases beyond the ones above, at most one per worker
-    let recording = Arc::new(Semaphore::new(config.workers));
-    // claiming ahead pays while attempts are short; once a step claimed ahead had to be given
-    // back (every worker stayed busy past half its renewal interval), claiming ahead would
-    // only claim and give back again and again: it stays off until an attempt ends within
-    // that time
-    let ahead_on = Arc::new(AtomicBool::new(true));
-    // the last claim filled every free slot, so more steps may be waiting: a finished attempt
-    // wakes the loop to claim again at once instead of at the next poll or hint
-    let backlog = Arc::new(AtomicBool::new(false));
     let tracker = TaskTracker::new();
     let attempts_token = CancellationToken::new();
-    let poll = Duration::from_millis(config.poll_ms);
-    let claim_batch = config.claim_batch.max(1);
-    // while steps wait, claim once a quarter of the pool is free (or claim_gather_ms after a
-    // slot freed), not each time one slot frees: a claim per step would be a commit per step
-    let gather = config.workers.div_ceil(4).clamp(1, claim_batch);
-    let gather_for = Duration::from_millis(config.claim_gather_ms);
-    let mut gathering_since: Option<tokio::time::Instant> = None;
     tracing::info!(id = %owner, workers = config.workers, "executor started");
-    while !shutdown.is_cancelled() {
-        let mut want = leases.available_permits().min(claim_batch);
-        if !ahead_on.load(Ordering::Relaxed) {
-            // only as many as the workers free and not yet promised to a claimed step
-            let held = config.workers + ahead - leases.available_permits();
-            let busy = config.workers - slots.available_permits();
-            let free = slots
-                .available_permits()
-                .saturating_sub(held.saturating_sub(busy));
-            want = want.min(free);
-        }
-        let gathering = want > 0
-            && want < gather
-            && backlog.load(Ordering::Relaxed)
-            && gathering_since
-                .get_or_insert_with(tokio::time::Instant::now)
-                .elapsed()
-                < gather_for;
-        if want > 0 && !gathering {
-            gathering_since = None;
-            match store.claim(&owner, want as i64).await {
-                Ok(claimed) => {
-                    let n = claimed.len();
-                    z29c_telemetry::metrics::counter!(z29c_telemetry::LEASE_ACQUISITIONS)
-                        .increment(n as u64);
-                    let claimed_at = std::time::Instant::now();
-                    for step in claimed {
-                        let held = leases.clone().acquire_owned().await?;
-                        let ctx = attempt::Context {
-                            store: store.clone(),
-                            receipts: receipts.clone(),
-                            gateways: gateways.clone(),
-                            stop: attempts_token.clone(),
-                            #[cfg(feature = "faults")]
-                            stall_after_response: Duration::from_millis(
-                                config.fault_stall_after_response_ms,
-                            ),
-                            #[cfg(feature = "faults")]
-                            stall_after_claim: Duration::from_millis(
-                                config.fault_stall_after_claim_ms,
-                            ),
-                        };
-                        let (wake, backlog, slots, ahead_on, recording) = (
-                            wake.clone(),
-                            backlog.clone(),
-                            slots.clone(),
-                            ahead_on.clone(),
-                            recording.clone(),
-                        );
-                        tracker.spawn(async move {
-                            // a step claimed ahead waits for a worker, no longer than half
-                            // its renewal interval: its first renewal, a renewal interval
-                            // after the attempt starts, still comes well before the lease ends
-                            let patience = step.policy.renew_every / 2;
-                            let slot = tokio::select! {
-                                slot = slots.acquire_owned() => slot.ok(),
-                                _ = tokio::time::sleep(patience) => None,
-                                _ = ctx.stop.cancelled() => None,
-                            };
-                            match slot {
-                                Some(slot) => {
-                                    let began = std::time::Instant::now();
-                                    let worker = attempt::Worker {
-                                        slot,
-                                        held,
-                                        recording,
-                                        wake: wake.clone(),
-                                        backlog: backlog.clone(),
-                                    };
-                                    attempt::run(ctx, step, claimed_at, worker).await;
-                                    if began.elapsed() < patience {
-                                        ahead_on.store(true, Ordering::Relaxed);
-                                    }
-                                }
-                                None => {
-                                    // before the lease goes back, so the loop's next claim
-                                    // already claims no further ahead
-                                    ahead_on.store(false, Ordering::Relaxed);
-                                    attempt::give_back(&ctx, &step).await;
-                                    drop(held);
-                                }
-                            }
-                            if backlog.load(Ordering::Relaxed) {
-                                wake.notify_one();
-                            }
-                        });
-                    }
-                    let full = n == want;
-                    backlog.store(full, Ordering::Relaxed);
-                    if full {
-                        continue; // more may be waiting: claim again at once
-                    }
-                }
-                Err(e) => tracing::warn!(error = %e, "claim failed"),
-            }
-        }
-        let until = match gathering_since {
-            Some(since) if gathering => since + gather_for,
-            _ => tokio::time::Instant::now() + poll,
-        };
-        tokio::select! {
-            _ = shutdown.cancelled() => break,
-            _ = wake.notified() => {}
-            _ = tokio::time::sleep_until(until) => {}
-        }
-    }
+    claims::run(
+        &config,
+        &owner,
+        attempt::Context {
+            store: store.clone(),
+            receipts,
+            gateways,
+            stop: attempts_token.clone(),
+            #[cfg(feature = "faults")]
+            stall_after_response: Duration::from_millis(config.fault_stall_after_response_ms),
+            #[cfg(feature = "faults")]
+            stall_after_claim: Duration::from_millis(config.fault_stall_after_claim_ms),
+        },
+        wake,
+        &tracker,
+        &shutdown,
+    )
+    .await?;
     tracing::info!(in_flight = tracker.len(), "executor draining");
     attempts_token.cancel();
     tracker.close();

@@ -7,21 +7,15 @@ use serde::{Deserialize, Serialize};
 pub struct RecoveryConfig {
     /// Recovery-lease owner name; unique per instance.
     pub id: String,
+    /// The fields every service has (database, NATS, metrics), at the top level.
+    #[serde(flatten)]
+    pub shared: z29c_runtime::SharedConfig,
     /// Where `ReviewService` listens.
     pub listen: std::net::SocketAddr,
     /// Where the gRPC health protocol alone is served without TLS (kubelet probes cannot
     /// present a client certificate), if anywhere.
     pub health_listen: Option<std::net::SocketAddr>,
-    /// Where `/metrics` is served (Prometheus), if anywhere.
-    pub metrics_listen: Option<std::net::SocketAddr>,
-    pub database_url: String,
     pub max_connections: u32,
-    pub nats_url: String,
-    /// TLS to NATS (with `tls://` URLs): CA for the server's certificate, and this process's
-    /// certificate for servers that verify clients. PostgreSQL's TLS is set in
-    /// `database_url` (`sslmode=verify-full&sslrootcert=…&sslcert=…&sslkey=…`).
-    pub nats_tls: z29c_security::TlsConfig,
-    pub prefix: String,
     /// How often to look for expired leases.
     pub scan_ms: u64,
     /// Most expired leases handled per scan.
@@ -43,14 +37,10 @@ impl Default for RecoveryConfig {
     fn default() -> Self {
         Self {
             id: "recovery-1".into(),
+            shared: z29c_runtime::SharedConfig::default(),
             listen: "127.0.0.1:50053".parse().expect("literal address"),
             health_listen: None,
-            metrics_listen: None,
-            database_url: "postgres://postgres:postgres@127.0.0.1:5432/z29c".into(),
             max_connections: 4,
-            nats_url: "nats://127.0.0.1:4222".into(),
-            nats_tls: Default::default(),
-            prefix: "z29c".into(),
             scan_ms: 500,
             batch: 50,
             recovery_lease_ms: 30_000,
@@ -59,5 +49,25 @@ impl Default for RecoveryConfig {
             grpc: Default::default(),
             max_request_bytes: 64 * 1024,
         }
+    }
+}
+
+impl z29c_runtime::Validate for RecoveryConfig {
+    fn validate(&self) -> Result<(), z29c_runtime::config::Invalid> {
+        use z29c_runtime::config::{Invalid, at_least_one};
+        self.shared.validate()?;
+        self.grpc.validate()?;
+        at_least_one("max_connections", self.max_connections as usize)?;
+        at_least_one("max_request_bytes", self.max_request_bytes)?;
+        if self.batch < 1 {
+            return Err(Invalid::new("batch", "must be at least 1"));
+        }
+        if self.scan_ms == 0 {
+            return Err(Invalid::new("scan_ms", "must be at least 1"));
+        }
+        if self.recovery_lease_ms == 0 {
+            return Err(Invalid::new("recovery_lease_ms", "must be at least 1"));
+        }
+        Ok(())
     }
 }

@@ -33,12 +33,16 @@ pub async fn run(
     ready: Option<tokio::sync::oneshot::Sender<std::net::SocketAddr>>,
 ) -> anyhow::Result<()> {
     let owner = OwnerId::parse(config.id.clone()).context("recovery id")?;
-    let store = Store::connect(&config.database_url, config.max_connections)
+    let store = Store::connect(config.shared.database_url.expose(), config.max_connections)
         .await
         .context("connect to PostgreSQL")?;
-    let bus = Bus::connect_with(&config.nats_url, &config.prefix, &config.nats_tls)
-        .await
-        .context("connect to NATS")?;
+    let bus = Bus::connect_with(
+        &config.shared.nats_url,
+        &config.shared.prefix,
+        &config.shared.nats_tls,
+    )
+    .await
+    .context("connect to NATS")?;
     let health = z29c_runtime::health(
         "z29c.v1.ReviewService",
         config.health_listen,
@@ -53,7 +57,7 @@ pub async fn run(
         owner,
         hold: Duration::from_millis(config.recovery_lease_ms),
     };
-    if let Some(addr) = config.metrics_listen {
+    if let Some(addr) = config.shared.metrics_listen {
         z29c_telemetry::serve_prometheus(addr).context("serve /metrics")?;
     }
     let listener = tokio::net::TcpListener::bind(config.listen)

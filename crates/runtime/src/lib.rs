@@ -1,43 +1,27 @@
-//! Plumbing every z29c service shares, so each `main` stays short: configuration layering
-//! (defaults → file → `Z29C_…` environment, `__` for nesting), signal handling (first signal
+//! Plumbing every z29c service shares, so each `main` stays short: configuration ([`config`]:
+//! layering, the shared fields, checks at load), signal handling (first signal
 //! drains, second exits at once), tracing set-up (`z29c_telemetry::trace`), and the one mapping from store errors to
 //! `tonic::Status`; the door of the public services ([`guard`]) and how every gRPC server is
 //! built ([`server`]).
 
+pub mod config;
 pub mod guard;
 pub mod server;
 
+pub use config::{SharedConfig, Validate, load_config};
 pub use guard::Guard;
 pub use server::ServerLimits;
 
-use std::path::Path;
-
-use figment::Figment;
-use figment::providers::{Env, Format, Serialized, Toml};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tokio_util::sync::CancellationToken;
 use z29c_store::StoreError;
 
-/// Loads a service's configuration: its defaults, then `file` (TOML) if given, then environment
-/// variables `Z29C_<FIELD>` (nested fields with `__`, e.g. `Z29C_DATABASE_URL`).
-pub fn load_config<T>(file: Option<&Path>) -> anyhow::Result<T>
-where
-    T: Serialize + DeserializeOwned + Default,
-{
-    let mut figment = Figment::from(Serialized::defaults(T::default()));
-    if let Some(file) = file {
-        figment = figment.merge(Toml::file_exact(file));
-    }
-    figment = figment.merge(Env::prefixed("Z29C_").split("__"));
-    Ok(figment.extract()?)
-}
-
 /// The whole `main` of a service binary: `--config FILE` and `--dump-config` from the command
 /// line, configuration layered as [`load_config`] does, tracing, signals, then `run`.
 pub fn service_main<C, F, Fut>(name: &str, run: F) -> anyhow::Result<()>
 where
-    C: Serialize + DeserializeOwned + Default,
+    C: Serialize + DeserializeOwned + Validate,
     F: FnOnce(C, CancellationToken) -> Fut,
     Fut: std::future::Future<Output = anyhow::Result<()>>,
 {

@@ -43,3 +43,23 @@ pub fn builder(tls: &TlsConfig, limits: &ServerLimits) -> anyhow::Result<tonic::
         .concurrency_limit_per_connection(limits.concurrency_per_connection.max(1))
         .max_concurrent_streams(limits.max_concurrent_streams.max(1)))
 }
+
+impl crate::Validate for ServerLimits {
+    fn validate(&self) -> Result<(), crate::config::Invalid> {
+        use crate::config::{Invalid, at_least_one};
+        if self.max_deadline_ms == 0 {
+            return Err(Invalid::new("grpc.max_deadline_ms", "must be at least 1"));
+        }
+        at_least_one(
+            "grpc.concurrency_per_connection",
+            self.concurrency_per_connection,
+        )?;
+        if self.max_concurrent_streams == 0 {
+            return Err(Invalid::new(
+                "grpc.max_concurrent_streams",
+                "must be at least 1",
+            ));
+        }
+        Ok(())
+    }
+}

@@ -12,15 +12,11 @@ use z29c_store::workflows::SubmitLimits;
 #[serde(default)]
 pub struct SchedulerConfig {
     pub id: String,
+    /// The fields every service has (database, NATS, metrics), at the top level.
+    #[serde(flatten)]
+    pub shared: z29c_runtime::SharedConfig,
     pub listen: SocketAddr,
-    pub database_url: String,
     pub max_connections: u32,
-    pub nats_url: String,
-    /// TLS to NATS (with `tls://` URLs): CA for the server's certificate, and this process's
-    /// certificate for servers that verify clients. PostgreSQL's TLS is set in
-    /// `database_url` (`sslmode=verify-full&sslrootcert=…&sslcert=…&sslkey=…`).
-    pub nats_tls: z29c_security::TlsConfig,
-    pub prefix: String,
     /// Apply migrations at start (under an advisory lock, so several instances may).
     pub migrate: bool,
     pub max_steps: usize,
@@ -30,8 +26,6 @@ pub struct SchedulerConfig {
     /// Where the gRPC health protocol alone is served without TLS (kubelet probes cannot
     /// present a client certificate), if anywhere.
     pub health_listen: Option<std::net::SocketAddr>,
-    /// Where `/metrics` is served (Prometheus), if anywhere.
-    pub metrics_listen: Option<SocketAddr>,
     /// Each caller's workflow submissions per second (0: no limit) and burst.
     pub submissions_per_second: u32,
     pub submission_burst: u32,
@@ -56,19 +50,15 @@ impl Default for SchedulerConfig {
     fn default() -> Self {
         Self {
             id: "scheduler-1".into(),
+            shared: z29c_runtime::SharedConfig::default(),
             listen: "127.0.0.1:50051".parse().expect("literal address"),
-            database_url: "postgres://postgres:postgres@127.0.0.1:5432/z29c".into(),
             max_connections: 10,
-            nats_url: "nats://127.0.0.1:4222".into(),
-            nats_tls: Default::default(),
-            prefix: "z29c".into(),
             migrate: true,
             max_steps: 1_000,
             max_input_bytes: 64 * 1024,
             max_request_bytes: 4 * 1024 * 1024,
             bounds: PlatformBounds::default(),
             health_listen: None,
-            metrics_listen: None,
             submissions_per_second: 500,
             submission_burst: 1_000,
             tls: TlsConfig::default(),
@@ -88,5 +78,20 @@ impl SchedulerConfig {
             max_input_bytes: self.max_input_bytes,
             bounds: self.bounds,
         }
+    }
+}
+
+impl z29c_runtime::Validate for SchedulerConfig {
+    fn validate(&self) -> Result<(), z29c_runtime::config::Invalid> {
+        use z29c_runtime::config::at_least_one;
+        self.shared.validate()?;
+        self.grpc.validate()?;
+        at_least_one("max_connections", self.max_connections as usize)?;
+        at_least_one("max_steps", self.max_steps)?;
+        at_least_one("max_input_bytes", self.max_input_bytes)?;
+        at_least_one("max_request_bytes", self.max_request_bytes)?;
+        at_least_one("submission_batch", self.submission_batch)?;
+        at_least_one("submission_committers", self.submission_committers)?;
+        Ok(())
     }
 }

@@ -33,19 +33,23 @@ pub async fn run(
     shutdown: CancellationToken,
     ready: Option<tokio::sync::oneshot::Sender<SocketAddr>>,
 ) -> anyhow::Result<()> {
-    if let Some(addr) = config.metrics_listen {
+    if let Some(addr) = config.shared.metrics_listen {
         z29c_telemetry::serve_prometheus(addr).context("serve /metrics")?;
         z29c_telemetry::zero_counters(&[z29c_telemetry::WORKFLOW_SUBMISSIONS]);
     }
-    let store = Store::connect(&config.database_url, config.max_connections)
+    let store = Store::connect(config.shared.database_url.expose(), config.max_connections)
         .await
         .context("connect to PostgreSQL")?;
     if config.migrate {
         store.migrate().await.context("apply migrations")?;
     }
-    let bus = Bus::connect_with(&config.nats_url, &config.prefix, &config.nats_tls)
-        .await
-        .context("connect to NATS")?;
+    let bus = Bus::connect_with(
+        &config.shared.nats_url,
+        &config.shared.prefix,
+        &config.shared.nats_tls,
+    )
+    .await
+    .context("connect to NATS")?;
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .with_context(|| format!("bind {}", config.listen))?;
@@ -85,9 +89,12 @@ pub async fn run(
     // connections of their own
     let submissions = match config.submission_batch > 1 {
         true => Some(z29c_store::submissions::SubmissionBatches::start(
-            &Store::connect_committers(&config.database_url, config.submission_committers)
-                .await
-                .context("connect the submission committers to PostgreSQL")?,
+            &Store::connect_committers(
+                config.shared.database_url.expose(),
+                config.submission_committers,
+            )
+            .await
+            .context("connect the submission committers to PostgreSQL")?,
             &store,
             config.submission_committers,
             config.submission_batch,

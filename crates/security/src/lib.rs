@@ -12,13 +12,16 @@
 //! - [`client`]: a token attached to every call of a client.
 //! - [`rate`]: per-caller rate limits.
 //! - [`pki`]: a throwaway CA and certificates, written to a directory.
+//! - [`secret_url`]: a database URL whose password is never shown.
 
 pub mod client;
 pub mod pki;
 pub mod rate;
+pub mod secret_url;
 pub mod tls;
 pub mod token;
 
 pub use client::{Authed, Bearer};
+pub use secret_url::DatabaseUrl;
 pub use tls::TlsConfig;
 pub use token::{AuthConfig, Caller, Denied, Verifier};

@@ -17,12 +17,15 @@ use z29c_core::{
     StepName, Verification, WorkflowId, WorkflowState,
 };
 
+use crate::ending::{
+    Receipt, ReceiptRow, complete_if_all_done, completed_workflow, end_workflow, open_review,
+    receipt_columns, stop_unstarted_steps, workflow_completes,
+};
 use crate::error::parse;
 use crate::events::{self, EventKind, NewEvent};
 use crate::faults::{self, Break, CrashPoint};
 use crate::fence::{self, Held, lease_held};
 use crate::outbox::{self, MessageKind};
-use crate::workflows::{Receipt, ReceiptRow, open_review, receipt_columns};
 use crate::{Result, Store, StoreError, millis};
 
 /// A step claimed for routine execution, with everything the worker needs and nothing it may
@@ -859,12 +862,14 @@ pub(crate) async fn finish_step(
          ), deps AS (
              SELECT EXISTS (SELECT 1 FROM step_dependencies WHERE depends_on = $2) AS found
          ), done AS (
-             UPDATE workflows SET state = 'completed', ended_at = now(), updated_at = now()
-             WHERE id = $3 AND state = 'running' AND $11::text = 'succeeded'
-               AND NOT (SELECT found FROM deps)
-               AND NOT EXISTS (SELECT 1 FROM steps WHERE workflow_id = $3 AND id <> $2
-                               AND state <> 'completed')
-             RETURNING trace_context
+             UPDATE workflows w SET ",
+        completed_workflow!(),
+        "
+             WHERE w.id = $3 AND $11::text = 'succeeded' AND NOT (SELECT found FROM deps)
+               AND ",
+        workflow_completes!("w", "ARRAY[$2::uuid]"),
+        "
+             RETURNING w.trace_context
          ), o AS (
              INSERT INTO outbox (msg_id, kind, workflow_id, step_id, payload, trace_context)
              SELECT m.kind || '-' || z29c_uuid_v7()::text, m.kind, $3, m.step_id, m.payload,
@@ -956,28 +961,6 @@ pub(crate) async fn finish_step(
     Ok(receipt)
 }
 
-/// Completes a running workflow whose steps have all completed, with its `workflow_changed`
-/// message, in one statement. The caller holds the workflow's lock.
-async fn complete_if_all_done(conn: &mut PgConnection, workflow: Uuid) -> Result<()> {
-    sqlx::query(
-        "WITH done AS (
-             UPDATE workflows SET state = 'completed', ended_at = now(), updated_at = now()
-             WHERE id = $1 AND state = 'running'
-               AND NOT EXISTS (SELECT 1 FROM steps
-                               WHERE workflow_id = $1 AND state <> 'completed')
-             RETURNING id, trace_context
-         )
-         INSERT INTO outbox (msg_id, kind, workflow_id, step_id, payload, trace_context)
-         SELECT $2 || '-' || z29c_uuid_v7()::text, $2, id, NULL, $3, trace_context FROM done",
-    )
-    .bind(workflow)
-    .bind(MessageKind::WorkflowChanged.as_str())
-    .bind(json!({ "state": WorkflowState::Completed.as_str() }))
-    .execute(conn)
-    .await?;
-    Ok(())
-}
-
 /// Locks the workflow's row until the transaction ends and returns its state.
 async fn lock_workflow(conn: &mut PgConnection, workflow: Uuid) -> Result<WorkflowState> {
     let state: String =
@@ -1019,93 +1002,6 @@ async fn release_dependents(conn: &mut PgConnection, workflow: Uuid, step: Uuid)
         )
         .await?;
         outbox::enqueue(conn, MessageKind::StepReady, workflow, Some(id), json!({})).await?;
-    }
-    Ok(())
-}
-
-pub(crate) async fn end_workflow(
-    conn: &mut PgConnection,
-    workflow: Uuid,
-    state: WorkflowState,
-) -> Result<()> {
-    sqlx::query(
-        "UPDATE workflows SET state = $2::workflow_state, ended_at = now(), updated_at = now()
-         WHERE id = $1 AND state = 'running'",
-    )
-    .bind(workflow)
-    .bind(state.as_str())
-    .execute(&mut *conn)
-    .await?;
-    outbox::enqueue(
-        conn,
-        MessageKind::WorkflowChanged,
-        workflow,
-        None,
-        json!({ "state": state.as_str() }),
-    )
-    .await
-}
-
-/// Stops a finished workflow's steps that are not running. One that any of its attempts may
-/// have sent (`z29c_may_have_sent`) goes to review: its effect may exist.
-pub(crate) async fn stop_unstarted_steps(
-    conn: &mut PgConnection,
-    workflow: Uuid,
-    reason: &str,
-) -> Result<()> {
-    let stopped: Vec<(Uuid, String, i64)> = if faults::broken(Break::CurrentAttemptOnly) {
-        sqlx::query_as(
-            "UPDATE steps s
-             SET state = CASE WHEN a.checkpoint >= 'invocation_began'
-                              THEN 'needs_review'::step_state ELSE 'cancelled'::step_state END,
-                 updated_at = now()
-             FROM steps s0 LEFT JOIN attempts a ON a.id = s0.current_attempt_id
-             WHERE s0.id = s.id AND s.workflow_id = $1 AND s.state IN ('blocked', 'ready')
-             RETURNING s.id, s.state::text, s.lease_version",
-        )
-        .bind(workflow)
-        .fetch_all(&mut *conn)
-        .await?
-    } else {
-        sqlx::query_as(
-            "UPDATE steps s
-             SET state = CASE WHEN z29c_may_have_sent(s.id)
-                              THEN 'needs_review'::step_state ELSE 'cancelled'::step_state END,
-                 updated_at = now()
-             WHERE s.workflow_id = $1 AND s.state IN ('blocked', 'ready')
-             RETURNING s.id, s.state::text, s.lease_version",
-        )
-        .bind(workflow)
-        .fetch_all(&mut *conn)
-        .await?
-    };
-    for (step, state, lease_version) in stopped {
-        // a step that may have sent is not cancelled: its review opens, and says why
-        let kind = if state == "needs_review" {
-            open_review(
-                conn,
-                workflow,
-                step,
-                "workflow ended after a request may have been sent",
-            )
-            .await?;
-            EventKind::ReviewOpened
-        } else {
-            EventKind::Cancelled
-        };
-        events::append(
-            conn,
-            NewEvent {
-                workflow,
-                step,
-                attempt: None,
-                lease_version,
-                owner: None,
-                kind,
-                detail: json!({ "reason": reason, "state": state }),
-            },
-        )
-        .await?;
     }
     Ok(())
 }

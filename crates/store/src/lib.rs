@@ -35,6 +35,7 @@ pub mod review;
 pub mod submissions;
 pub mod workflows;
 
+mod ending;
 mod fence;
 mod shared;
 

@@ -12,6 +12,7 @@ use sqlx::PgConnection;
 use uuid::Uuid;
 use z29c_core::{OwnerId, WorkflowState};
 
+use crate::ending::{completed_workflow, workflow_completes};
 use crate::{Result, Store, millis};
 
 /// What an outbox message announces. The bus maps each kind to its NATS subject.
@@ -194,25 +195,25 @@ async fn claim_in(
 /// may have read it, may not: when the statement completed a workflow, its transaction's
 /// `COMMIT` waits for the disk.
 async fn mark_sent_in(conn: &mut PgConnection, ids: &[i64]) -> Result<u64> {
-    let (sent, completed): (i64, i64) = sqlx::query_as(
+    let (sent, completed): (i64, i64) = sqlx::query_as(concat!(
         "WITH sent AS (
              DELETE FROM outbox WHERE id = ANY($1)
              RETURNING workflow_id, kind
          ), done AS (
-             UPDATE workflows w
-             SET state = 'completed', ended_at = now(), updated_at = now()
-             WHERE w.id IN (SELECT workflow_id FROM sent WHERE kind = $2)
-               AND w.state = 'running'
-               AND NOT EXISTS (SELECT 1 FROM steps s
-                               WHERE s.workflow_id = w.id AND s.state <> 'completed')
+             UPDATE workflows w SET ",
+        completed_workflow!(),
+        "
+             WHERE w.id IN (SELECT workflow_id FROM sent WHERE kind = $2) AND ",
+        workflow_completes!("w", "NULL::uuid[]"),
+        "
              RETURNING w.id, w.trace_context
          ), announced AS (
              INSERT INTO outbox (msg_id, kind, workflow_id, step_id, payload, trace_context)
              SELECT $3 || '-' || z29c_uuid_v7()::text, $3, id, NULL, $4, trace_context
              FROM done
          )
-         SELECT (SELECT count(*) FROM sent), (SELECT count(*) FROM done)",
-    )
+         SELECT (SELECT count(*) FROM sent), (SELECT count(*) FROM done)"
+    ))
     .bind(ids)
     .bind(MessageKind::StepCompleted.as_str())
     .bind(MessageKind::WorkflowChanged.as_str())

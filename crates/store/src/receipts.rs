@@ -21,13 +21,13 @@ use z29c_core::{
     Checkpoint, ExternalReference, LeaseClaim, LeaseKind, Outcome, Verification, WorkflowState,
 };
 
+use crate::ending::{Receipt, ReceiptRow, completed_workflow, receipt_columns, workflow_completes};
 use crate::events::EventKind;
 use crate::faults::{self, CrashPoint};
 use crate::fence::lease_held;
 use crate::leases::{CommitOutcome, Observed};
 use crate::outbox::MessageKind;
 use crate::shared::Shared;
-use crate::workflows::{Receipt, ReceiptRow, receipt_columns};
 use crate::{Result, Store};
 
 /// Whether a receipt may take the one-statement path at all, before asking PostgreSQL: the
@@ -144,11 +144,12 @@ impl Store {
                                    = 'invocation_began'
                  ORDER BY f.ord, v.n
              ), done AS (
-                 UPDATE workflows w SET state = 'completed', ended_at = now(), updated_at = now()
-                 WHERE w.id IN (SELECT workflow_id FROM f) AND w.state = 'running'
-                   AND NOT EXISTS (SELECT 1 FROM steps x
-                                   WHERE x.workflow_id = w.id AND x.state <> 'completed'
-                                     AND x.id NOT IN (SELECT id FROM f))
+                 UPDATE workflows w SET ",
+            completed_workflow!(),
+            "
+                 WHERE w.id IN (SELECT workflow_id FROM f) AND ",
+            workflow_completes!("w", "(SELECT array_agg(id) FROM f)"),
+            "
                  RETURNING w.id, w.trace_context
              ), o AS (
                  INSERT INTO outbox (msg_id, kind, workflow_id, step_id, payload, trace_context)

@@ -7,11 +7,13 @@ use serde_json::{Value, json};
 use uuid::Uuid;
 use z29c_core::dag;
 use z29c_core::{
-    AttemptState, Checkpoint, ClientKey, InputDigest, LeasePolicy, LeaseVersion, Outcome,
-    PlatformBounds, ProductState, StepFacts, StepId, StepName, StepState, Verification, WorkflowId,
-    WorkflowState, project, project_workflow,
+    AttemptState, Checkpoint, ClientKey, InputDigest, LeasePolicy, LeaseVersion, PlatformBounds,
+    ProductState, StepFacts, StepId, StepName, StepState, WorkflowId, WorkflowState, project,
+    project_workflow,
 };
 
+pub use crate::ending::Receipt;
+use crate::ending::{ReceiptRow, receipt_columns};
 use crate::error::parse;
 use crate::outbox::{self, MessageKind};
 use crate::{Result, Store, StoreError, millis};
@@ -76,78 +78,6 @@ fn submitted_state(s: &NewStep) -> StepState {
         StepState::Ready
     } else {
         StepState::Blocked
-    }
-}
-
-/// A receipt as stored: z29c's accepted conclusion about a step.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct Receipt {
-    pub id: Uuid,
-    pub step: StepId,
-    pub attempt: Option<Uuid>,
-    pub lease_version: LeaseVersion,
-    pub input_digest: String,
-    pub adapter: String,
-    pub adapter_version: String,
-    pub request_identity: String,
-    pub external_reference: Option<String>,
-    pub outcome: Outcome,
-    pub observed_result: Value,
-    pub verification: Verification,
-    pub committed_at: DateTime<Utc>,
-    /// When the step was submitted: `committed_at` minus this is its time to receipt.
-    pub step_created_at: DateTime<Utc>,
-}
-
-#[derive(sqlx::FromRow)]
-pub(crate) struct ReceiptRow {
-    id: Uuid,
-    step_id: Uuid,
-    attempt_id: Option<Uuid>,
-    lease_version: i64,
-    input_digest: String,
-    adapter: String,
-    adapter_version: String,
-    request_identity: String,
-    external_reference: Option<String>,
-    outcome: String,
-    observed_result: Value,
-    verification: String,
-    committed_at: DateTime<Utc>,
-    step_created_at: DateTime<Utc>,
-}
-
-/// The columns a [`ReceiptRow`] reads, as a literal so queries stay `&'static str`.
-macro_rules! receipt_columns {
-    () => {
-        "id, step_id, attempt_id, lease_version, input_digest, adapter, adapter_version, \
-         request_identity, external_reference, outcome::text AS outcome, observed_result, \
-         verification::text AS verification, committed_at, \
-         (SELECT s.created_at FROM steps s WHERE s.id = step_receipts.step_id) AS step_created_at"
-    };
-}
-pub(crate) use receipt_columns;
-
-impl TryFrom<ReceiptRow> for Receipt {
-    type Error = StoreError;
-    fn try_from(r: ReceiptRow) -> Result<Self> {
-        Ok(Self {
-            id: r.id,
-            step: StepId::from_uuid(r.step_id),
-            attempt: r.attempt_id,
-            lease_version: LeaseVersion::new(r.lease_version)
-                .map_err(|e| StoreError::Corrupt(e.to_string()))?,
-            input_digest: r.input_digest,
-            adapter: r.adapter,
-            adapter_version: r.adapter_version,
-            request_identity: r.request_identity,
-            external_reference: r.external_reference,
-            outcome: parse(&r.outcome)?,
-            observed_result: r.observed_result,
-            verification: parse(&r.verification)?,
-            committed_at: r.committed_at,
-            step_created_at: r.step_created_at,
-        })
     }
 }
 
@@ -678,7 +608,7 @@ impl Store {
         .bind(reason)
         .execute(&mut *tx)
         .await?;
-        crate::leases::stop_unstarted_steps(&mut tx, id.as_uuid(), reason).await?;
+        crate::ending::stop_unstarted_steps(&mut tx, id.as_uuid(), reason).await?;
         outbox::enqueue(
             &mut tx,
             MessageKind::WorkflowChanged,
@@ -690,29 +620,6 @@ impl Store {
         tx.commit().await?;
         Ok(WorkflowState::Cancelled)
     }
-}
-
-/// Opens a review item for a step (at most one open per step).
-pub(crate) async fn open_review(
-    conn: &mut sqlx::PgConnection,
-    workflow: Uuid,
-    step: Uuid,
-    reason: &str,
-) -> Result<Uuid> {
-    let id = Uuid::now_v7();
-    sqlx::query(
-        "INSERT INTO review_items (id, step_id, workflow_id, request_identity, reason)
-         SELECT $1, s.id, s.workflow_id, s.request_identity, $3 FROM steps s
-         WHERE s.id = $2 AND s.workflow_id = $4
-         ON CONFLICT (step_id) WHERE state = 'open' DO NOTHING",
-    )
-    .bind(id)
-    .bind(step)
-    .bind(reason)
-    .bind(workflow)
-    .execute(&mut *conn)
-    .await?;
-    Ok(id)
 }
 
 /// The steps of `workflows`, each with its latest attempt and its receipt, on the caller's
