@@ -12,7 +12,6 @@
 //! - [`matrix`]: the fault matrix (fault × adapter capability → invariants held).
 //! - [`soak`]: the randomized soak with a reproducible fault schedule.
 //! - [`otlp`]: an in-process OTLP trace receiver, to check traces across services.
-//! - [`bench`]: drain throughput against the PostgreSQL floor (`z29c-scenarios bench`).
 
 use anyhow::{Context, Result};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
@@ -123,7 +122,6 @@ impl TestDatabase {
     }
 }
 
-pub mod bench;
 pub mod cluster;
 pub mod history;
 pub mod infra;
@@ -131,3 +129,26 @@ pub mod matrix;
 pub mod otlp;
 pub mod proxy;
 pub mod soak;
+
+/// Prints one line of a long run's progress to standard output.
+pub fn say(line: &str) {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{line}");
+}
+
+/// The first SIGINT or SIGTERM. A command run beside it in a `select!` is dropped when it
+/// comes, and with it every process it started (all are `kill_on_drop`).
+pub async fn stop_signal() -> &'static str {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut int), Ok(mut term)) = (
+        signal(SignalKind::interrupt()),
+        signal(SignalKind::terminate()),
+    ) else {
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = int.recv() => "SIGINT",
+        _ = term.recv() => "SIGTERM",
+    }
+}

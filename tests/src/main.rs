@@ -4,16 +4,13 @@
 //! cargo build -p z29c-cli -p z29c-scenarios      # one build: z29c gets its fault points
 //! target/debug/z29c-scenarios matrix [--parallel 3] [--only crash]
 //! target/debug/z29c-scenarios soak --seed 7 --duration 10m
-//! cargo build --release -p z29c-cli -p z29c-scenarios
-//! target/release/z29c-scenarios bench --steps 20000 --concurrency 8,32 --rounds 3
 //! ```
 
-use std::io::Write;
 use std::time::Duration;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Result, bail};
 use clap::{Parser, Subcommand};
-use z29c_scenarios::{matrix, soak};
+use z29c_scenarios::{matrix, say, soak, stop_signal};
 
 #[derive(Parser)]
 #[command(
@@ -39,9 +36,6 @@ enum Command {
         #[arg(long)]
         broken: bool,
     },
-    /// z29c side by side with graphile-worker, pg-boss and pgbench's one-row durable rate:
-    /// drain throughput (A B A B), open-loop schedule-to-start latency, re-claim after SIGKILL.
-    Bench(Box<BenchArgs>),
     /// Checks a saved history (`history.json` of a failed cell or soak) again.
     Check {
         history: std::path::PathBuf,
@@ -63,11 +57,6 @@ enum Command {
     },
 }
 
-fn say(line: &str) {
-    let mut out = std::io::stdout().lock();
-    let _ = writeln!(out, "{line}");
-}
-
 #[tokio::main]
 async fn main() -> Result<()> {
     let command = Cli::parse().command;
@@ -76,21 +65,6 @@ async fn main() -> Result<()> {
     tokio::select! {
         out = run(command) => out,
         signal = stop_signal() => bail!("stopped by {signal}; the processes it started were killed"),
-    }
-}
-
-/// The first SIGINT or SIGTERM.
-async fn stop_signal() -> &'static str {
-    use tokio::signal::unix::{SignalKind, signal};
-    let (Ok(mut int), Ok(mut term)) = (
-        signal(SignalKind::interrupt()),
-        signal(SignalKind::terminate()),
-    ) else {
-        return std::future::pending().await;
-    };
-    tokio::select! {
-        _ = int.recv() => "SIGINT",
-        _ = term.recv() => "SIGTERM",
     }
 }
 
@@ -132,7 +106,6 @@ async fn run(command: Command) -> Result<()> {
                 std::process::exit(1);
             }
         }
-        Command::Bench(args) => bench(*args).await?,
         Command::Check {
             history,
             permit_limit,
@@ -198,347 +171,6 @@ async fn run(command: Command) -> Result<()> {
                 std::process::exit(1);
             }
         }
-    }
-    Ok(())
-}
-
-#[derive(clap::Args)]
-struct BenchArgs {
-    /// Steps (jobs) pre-loaded before each drain.
-    #[arg(long, default_value_t = 20_000)]
-    steps: usize,
-    /// Concurrencies (attempts at once; pgbench clients), comma-separated.
-    #[arg(long, value_delimiter = ',', default_values_t = [8usize, 32])]
-    concurrency: Vec<usize>,
-    #[arg(long, default_value_t = 3)]
-    rounds: usize,
-    /// Systems to run besides pgbench, comma-separated: z29c, z29c-eager (every write its
-    /// own commit, permit releases included), graphile-worker, pg-boss.
-    #[arg(long, value_delimiter = ',', default_values_t = ["z29c".to_owned(), "graphile-worker".to_owned(), "pg-boss".to_owned()])]
-    systems: Vec<String>,
-    /// Parts to run, comma-separated: drain, latency, reclaim, growth, steady.
-    #[arg(long, value_delimiter = ',', default_values_t = ["drain".to_owned(), "latency".to_owned(), "reclaim".to_owned(), "growth".to_owned(), "steady".to_owned()])]
-    parts: Vec<String>,
-    /// Steps waiting in the growth runs, comma-separated.
-    #[arg(long, value_delimiter = ',', default_values_t = [10_000usize, 100_000, 1_000_000])]
-    growth: Vec<usize>,
-    /// Length of the steady run.
-    #[arg(long, default_value = "20m", value_parser = humantime::parse_duration)]
-    steady: Duration,
-    /// A drain stops here; its rate is what finished by then.
-    #[arg(long, default_value = "120s", value_parser = humantime::parse_duration)]
-    cap: Duration,
-    /// pgbench run length, seconds.
-    #[arg(long, default_value_t = 10)]
-    floor_seconds: u64,
-    /// Open-loop loads, as fractions of each system's drain rate.
-    #[arg(long, value_delimiter = ',', default_values_t = [0.5f64, 0.8])]
-    loads: Vec<f64>,
-    /// Offer every system this many jobs per second in the open-loop part, instead of
-    /// `--loads` times its own drain rate (no drain is run to scale by): for comparing two
-    /// builds at one load, when their drains differ by the machine's noise.
-    #[arg(long, value_name = "JOBS_PER_SECOND")]
-    rate: Option<f64>,
-    /// Open-loop run length, seconds, counted after the warm-up.
-    #[arg(long, default_value_t = 20)]
-    latency_seconds: u64,
-    /// Open-loop warm-up, seconds: offered like the rest of the load, not counted in the
-    /// percentiles (its p99 and max are printed beside them), for every system alike.
-    #[arg(long, default_value_t = 2)]
-    latency_warmup: u64,
-    /// Run every system on a PostgreSQL of the benchmark's own (initdb; durable, autovacuum
-    /// on) instead of DATABASE_URL's server.
-    #[arg(long)]
-    private_postgres: bool,
-    /// A setting of the benchmark's own PostgreSQL (`name=value`, as `postgres -c` takes it;
-    /// repeatable; implies --private-postgres), e.g. `shared_buffers=1GB`. Every system runs
-    /// on the same server, so every system gets it.
-    #[arg(long = "pg-setting", value_name = "NAME=VALUE")]
-    pg_settings: Vec<String>,
-    /// Profile the statements (implies --private-postgres, with pg_stat_statements loaded):
-    /// prints, at the end, the statements that took the most server time, with their calls,
-    /// mean time and rows, over every system the run measured.
-    #[arg(long)]
-    profile_statements: bool,
-    /// Where the JSON report goes; the plot goes beside it (`.svg`).
-    #[arg(long, default_value = "target/bench/bench.json")]
-    out: std::path::PathBuf,
-}
-
-async fn bench(a: BenchArgs) -> Result<()> {
-    use z29c_scenarios::infra::{DURABLE_SETTINGS, PrivatePostgres};
-    if let Some(bad) = a.pg_settings.iter().find(|s| {
-        s.split_once('=')
-            .is_none_or(|(name, value)| name.trim().is_empty() || value.trim().is_empty())
-    }) {
-        bail!("--pg-setting: {bad:?} is not NAME=VALUE");
-    }
-    if !a.private_postgres && !a.profile_statements && a.pg_settings.is_empty() {
-        return bench_on(a).await;
-    }
-    say("starting a PostgreSQL of the benchmark's own (initdb; durable, autovacuum on)…");
-    let mut settings = DURABLE_SETTINGS.to_vec();
-    settings.extend(a.pg_settings.iter().map(String::as_str));
-    if a.profile_statements {
-        settings.extend([
-            "shared_preload_libraries=pg_stat_statements",
-            "pg_stat_statements.track=all",
-        ]);
-    }
-    let pg = PrivatePostgres::start_with(&settings).await?;
-    z29c_scenarios::use_server(pg.admin_url());
-    let profile = a.profile_statements;
-    let mut result = bench_on(a).await;
-    if profile && result.is_ok() {
-        result = z29c_scenarios::bench::statement_profile(&pg.admin_url(), 30)
-            .await
-            .map(|table| say(&table));
-    }
-    pg.stop().await;
-    result
-}
-
-/// One-step workflows drained to scale z29c's open-loop load by.
-const ONE_STEP_DRAIN: usize = 3_000;
-
-async fn bench_on(a: BenchArgs) -> Result<()> {
-    use z29c_scenarios::bench::{self, peers::Peer};
-    if a.steps == 0 || a.concurrency.contains(&0) || a.rounds == 0 {
-        bail!("--steps, --concurrency and --rounds must be positive");
-    }
-    let mut peers_wanted = Vec::new();
-    for s in &a.systems {
-        match s.as_str() {
-            s if bench::Mode::parse(s).is_some() => {}
-            "graphile-worker" => peers_wanted.push(Peer::GraphileWorker),
-            "pg-boss" => peers_wanted.push(Peer::PgBoss),
-            other => bail!(
-                "--systems: unknown system {other:?} (z29c, z29c-eager, graphile-worker, pg-boss)"
-            ),
-        }
-    }
-    for p in &a.parts {
-        if !["drain", "latency", "reclaim", "growth", "steady"].contains(&p.as_str()) {
-            bail!("--parts: unknown part {p:?} (drain, latency, reclaim, growth, steady)");
-        }
-    }
-    if let Some(l) = a.loads.iter().find(|l| !(**l > 0.0 && **l <= 1.0)) {
-        bail!("--loads: {l} is not a fraction in (0, 1]");
-    }
-    if let Some(r) = a.rate.filter(|r| !(r.is_finite() && *r >= 1.0)) {
-        bail!("--rate: {r} is not a number of jobs per second of at least 1");
-    }
-    let dir = a
-        .out
-        .parent()
-        .unwrap_or(std::path::Path::new("."))
-        .to_owned();
-    std::fs::create_dir_all(&dir)?;
-    let z29c = a.systems.iter().any(|s| s == "z29c");
-    let peers = if peers_wanted.is_empty() {
-        None
-    } else {
-        say("installing graphile-worker and pg-boss (npm ci)…");
-        Some(bench::peers::Peers::install(&dir).await?)
-    };
-    let part = |p: &str| a.parts.iter().any(|x| x == p);
-    let mut report = bench::Report {
-        server: bench::server_settings().await?,
-        ..bench::Report::default()
-    };
-    say(&format!("PostgreSQL {}", report.server));
-    let save = |report: &bench::Report| -> Result<()> {
-        std::fs::write(&a.out, serde_json::to_string_pretty(report)?)?;
-        Ok(())
-    };
-    let line = |d: &bench::Drain| {
-        say(&format!(
-            "round {} · {} concurrency {}: {} steps in {:.1} s = {:.0} steps/s{}, {:.2} commits/step, {:.0} WAL B/step, {:.2} fsyncs/step",
-            d.round,
-            d.system,
-            d.concurrency,
-            d.steps,
-            d.seconds,
-            d.steps_per_second,
-            if d.capped { " (time cap)" } else { "" },
-            d.commits_per_step,
-            d.wal_bytes_per_step,
-            d.fsyncs_per_step
-        ))
-    };
-    if part("drain") {
-        for round in 1..=a.rounds {
-            for &c in &a.concurrency {
-                let f = bench::pgbench_floor(round, c, a.floor_seconds).await?;
-                say(&format!(
-                    "round {round} · pgbench {c} clients: {:.0} TPS",
-                    f.tps
-                ));
-                report.floors.push(f);
-                for mode in bench::Mode::ALL {
-                    if !a.systems.iter().any(|s| s == mode.name()) {
-                        continue;
-                    }
-                    let d = bench::z29c_drain(
-                        round,
-                        a.steps,
-                        bench::STEPS_PER_WORKFLOW,
-                        c,
-                        a.cap,
-                        mode,
-                    )
-                    .await?;
-                    line(&d);
-                    report.drains.push(d);
-                }
-                for &p in &peers_wanted {
-                    let peers = peers.as_ref().context("peers installed")?;
-                    let d = bench::peers::drain(peers, p, round, a.steps, c, a.cap).await?;
-                    line(&d);
-                    report.drains.push(d);
-                }
-                save(&report)?;
-            }
-        }
-    }
-    if part("latency") {
-        let c = a.concurrency.iter().copied().max().unwrap_or(8);
-        // a fixed rate is one load for every system; its fraction of a drain is not known (0)
-        let loads = match a.rate {
-            Some(_) => vec![0.0],
-            None => a.loads.clone(),
-        };
-        for &load in &loads {
-            for system in &a.systems {
-                let rate = match a.rate {
-                    Some(rate) => rate,
-                    None => {
-                        // the offered rate is a fraction of the system's own drain rate in
-                        // this run, of the same shape as the load: one job per enqueue. For
-                        // z29c that is a drain of one-step workflows (each step pays for its
-                        // workflow's submission and completion too), measured once per system
-                        let mut scale_by = system.clone();
-                        if let Some(mode) = bench::Mode::parse(system) {
-                            scale_by = format!("{system} 1-step");
-                            if report.drain_median(&scale_by, c).is_none() {
-                                let n = a.steps.min(ONE_STEP_DRAIN);
-                                let d = bench::z29c_drain(1, n, 1, c, a.cap, mode).await?;
-                                line(&d);
-                                report.drains.push(d);
-                                save(&report)?;
-                            }
-                        }
-                        let Some(drain) = report.drain_median(&scale_by, c) else {
-                            say(&format!(
-                                "latency: no {system} drain at concurrency {c} to scale the load by; skipped"
-                            ));
-                            continue;
-                        };
-                        (drain.steps_per_second * load).max(1.0)
-                    }
-                };
-                let l = match bench::Mode::parse(system) {
-                    Some(mode) => {
-                        bench::z29c_latency(
-                            mode,
-                            c,
-                            load,
-                            rate,
-                            a.latency_warmup,
-                            a.latency_seconds,
-                        )
-                        .await?
-                    }
-                    None => {
-                        let other = system.as_str();
-                        let p = if other == "pg-boss" {
-                            Peer::PgBoss
-                        } else {
-                            Peer::GraphileWorker
-                        };
-                        let peers = peers.as_ref().context("peers installed")?;
-                        bench::peers::latency(
-                            peers,
-                            p,
-                            c,
-                            load,
-                            rate,
-                            a.latency_warmup,
-                            a.latency_seconds,
-                        )
-                        .await?
-                    }
-                };
-                say(&format!(
-                    "latency · {system} at {} ({rate:.0}/s): p50 {:.1} ms, p99 {:.1} ms, p99.9 {:.1} ms ({} of {} started)",
-                    l.load_label(),
-                    l.p50_ms,
-                    l.p99_ms,
-                    l.p999_ms,
-                    l.started,
-                    l.sent
-                ));
-                for leg in &l.legs {
-                    say(&format!(
-                        "  {}: p50 {:.1} ms, p99 {:.1} ms",
-                        leg.leg, leg.p50_ms, leg.p99_ms
-                    ));
-                }
-                if !l.slowest.is_empty() {
-                    say(&format!("  slowest: {}", bench::Slow::describe(&l.slowest)));
-                }
-                if l.warmup.seconds > 0.0 {
-                    say(&format!("  {}", l.warmup.describe()));
-                }
-                report.latencies.push(l);
-                save(&report)?;
-            }
-        }
-    }
-    if part("reclaim") {
-        let held = 8;
-        if z29c {
-            let r = bench::z29c_reclaim(held).await?;
-            say(&format!(
-                "re-claim · z29c: {:?} s, completed {:?} s after SIGKILL",
-                r.reclaimed_after, r.completed_after
-            ));
-            report.reclaims.push(r);
-        }
-        if peers_wanted.contains(&Peer::PgBoss) {
-            let peers = peers.as_ref().context("peers installed")?;
-            let r = bench::peers::reclaim(peers, held).await?;
-            say(&format!(
-                "re-claim · pg-boss: {:?} s, completed {:?} s after SIGKILL",
-                r.reclaimed_after, r.completed_after
-            ));
-            report.reclaims.push(r);
-        }
-        save(&report)?;
-    }
-    let c = a.concurrency.iter().copied().max().unwrap_or(8);
-    if part("growth") && z29c {
-        for &waiting in &a.growth {
-            let g = bench::growth::z29c_growth(waiting, c, 5_000, &say).await?;
-            say(&format!(
-                "growth · {} waiting: claim p50 {:.2} ms, p99 {:.2} ms; {:.0} steps/s",
-                g.waiting, g.claim_p50_ms, g.claim_p99_ms, g.steps_per_second
-            ));
-            report.growth.push(g);
-            save(&report)?;
-        }
-    }
-    if part("steady") && z29c {
-        report.steady = Some(bench::growth::z29c_steady(a.steady, c, 3_000, &say).await?);
-        save(&report)?;
-    }
-    say(&report.table());
-    save(&report)?;
-    say(&format!("report: {}", a.out.display()));
-    let svg = a.out.with_extension("svg");
-    match bench::plot::write(&report, &svg) {
-        Ok(()) => say(&format!("plot: {}", svg.display())),
-        Err(e) => say(&format!("no plot: {e:#}")),
     }
     Ok(())
 }

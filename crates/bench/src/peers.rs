@@ -1,4 +1,4 @@
-//! The Postgres queues z29c is compared with, driven through `tests/peers/peer.mjs`: each
+//! The Postgres queues z29c is compared with, driven through `crates/bench/peers/peer.mjs`: each
 //! through its own documented API, with no-op jobs, installed by the harness with `npm ci`
 //! from the committed lock file. Every run gets a database of its own.
 
@@ -10,7 +10,7 @@ use anyhow::{Context, Result, bail};
 use serde_json::json;
 
 use super::{Counters, Drain, Latency, Reclaim, Warmup, latency_from, proc_usage};
-use crate::TestDatabase;
+use z29c_scenarios::TestDatabase;
 
 /// A peer system.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -58,7 +58,7 @@ pub struct Peers {
 }
 
 impl Peers {
-    /// Copies `tests/peers` to `under/peers` and runs `npm ci` there (once per lock file).
+    /// Copies `crates/bench/peers` to `under/peers` and runs `npm ci` there (once per lock file).
     pub async fn install(under: &Path) -> Result<Self> {
         let source = Path::new(env!("CARGO_MANIFEST_DIR")).join("peers");
         std::fs::create_dir_all(under)?;

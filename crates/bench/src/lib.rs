@@ -15,8 +15,8 @@ use anyhow::{Context, Result, bail};
 use serde::Serialize;
 use z29c_proto::v1 as pb;
 
-use crate::TestDatabase;
-use crate::cluster::{Cluster, Topology};
+use z29c_scenarios::TestDatabase;
+use z29c_scenarios::cluster::{Cluster, Topology};
 
 pub mod growth;
 pub mod peers;
@@ -483,7 +483,10 @@ pub(crate) fn topology(recoveries: usize, mode: Mode) -> Result<Topology> {
         permit_limit: 4_096,
         env: mode.env(),
         // the services' database URL says `sslmode` as the harness's pools have it
-        postgres_admin_url: Some(crate::with_sslmode(&crate::database_url(), CLIENT_TLS.1)?),
+        postgres_admin_url: Some(z29c_scenarios::with_sslmode(
+            &z29c_scenarios::database_url(),
+            CLIENT_TLS.1,
+        )?),
         ..Topology::default()
     })
 }
@@ -702,7 +705,7 @@ pub(crate) const CLIENT_TLS: (&str, &str) = ("PGSSLMODE", "disable");
 /// The server's version and the settings that decide its speed, as one line, with how the
 /// systems connect ([`CLIENT_TLS`]).
 pub async fn server_settings() -> Result<String> {
-    let pool = sqlx::PgPool::connect(&crate::database_url()).await?;
+    let pool = sqlx::PgPool::connect(&z29c_scenarios::database_url()).await?;
     let line: String = sqlx::query_scalar(
         "SELECT current_setting('server_version') || ': ' || string_agg(name || '=' || setting, ', ' ORDER BY name)
          FROM pg_settings

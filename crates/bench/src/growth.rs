@@ -9,7 +9,7 @@ use serde::Serialize;
 use z29c_core::OwnerId;
 
 use super::{Mode, STEPS_PER_WORKFLOW, receipts, topology, workflow_named, z29c_cluster};
-use crate::cluster::Cluster;
+use z29c_scenarios::cluster::Cluster;
 
 /// Steps per template workflow of the growth runs (the scheduler's `max_steps`).
 const TEMPLATE_STEPS: usize = 1_000;
