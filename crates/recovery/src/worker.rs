@@ -481,3 +481,78 @@ async fn commit_or_conflict(
     tracing::info!(step = %lease.step, reference = ?receipt.external_reference, %verification, "receipt committed from evidence");
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use z29c_store::recovery::RecordedDecision;
+
+    use super::*;
+
+    fn decided(decision: RecoveryDecision, attempt: uuid::Uuid) -> RecordedDecision {
+        RecordedDecision {
+            id: uuid::Uuid::now_v7(),
+            attempt_id: Some(attempt),
+            lease_version: 2,
+            owner: "recovery-1".into(),
+            category: "invocation_may_have_begun".into(),
+            decision: decision.as_str().into(),
+            capability: "queryable".into(),
+            checkpoint: None,
+            detail: json!({}),
+            decided_at: chrono::Utc::now(),
+        }
+    }
+
+    #[test]
+    fn only_an_answer_a_later_query_may_change_is_asked_again() {
+        let unknown = query_response::Status::Unknown(Default::default());
+        assert!(answer_may_come(&Ok(Some(unknown))));
+        for code in [
+            tonic::Code::Unavailable,
+            tonic::Code::DeadlineExceeded,
+            tonic::Code::Cancelled,
+            tonic::Code::ResourceExhausted,
+            tonic::Code::Unknown,
+        ] {
+            assert!(
+                answer_may_come(&Err(tonic::Status::new(code, "x"))),
+                "{code:?}"
+            );
+        }
+        for code in [
+            tonic::Code::InvalidArgument,
+            tonic::Code::NotFound,
+            tonic::Code::PermissionDenied,
+        ] {
+            assert!(
+                !answer_may_come(&Err(tonic::Status::new(code, "x"))),
+                "{code:?}"
+            );
+        }
+        assert!(!answer_may_come(&Ok(None)));
+        let not_found = query_response::Status::NotFound(Default::default());
+        assert!(!answer_may_come(&Ok(Some(not_found))));
+    }
+
+    #[test]
+    fn unanswered_queries_are_counted_for_this_attempt_since_anything_else_was_decided() {
+        let (this, other) = (uuid::Uuid::now_v7(), uuid::Uuid::now_v7());
+        let q = RecoveryDecision::StatusQuery;
+        let history = [
+            decided(q, this),
+            decided(q, this),
+            // a person's resolution or a retry starts the count again
+            decided(RecoveryDecision::RetrySameIdentity, this),
+            decided(q, other),
+            decided(q, this),
+            decided(q, this),
+        ];
+        assert_eq!(unanswered_so_far(&history, this), 2);
+        assert_eq!(unanswered_so_far(&history, other), 1);
+        assert_eq!(unanswered_so_far(&[], this), 0);
+        assert_eq!(
+            unanswered_so_far(&[decided(RecoveryDecision::HumanReview, this)], this),
+            0
+        );
+    }
+}

@@ -176,3 +176,56 @@ pub async fn deadline_sweep(store: Store, shutdown: CancellationToken) {
         pause(&shutdown, Duration::from_millis(500)).await;
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn message(kind: &str, payload: serde_json::Value) -> OutboxMessage {
+        OutboxMessage {
+            id: 1,
+            msg_id: format!("{kind}-1"),
+            kind: kind.into(),
+            workflow_id: uuid::Uuid::nil(),
+            step_id: Some(uuid::Uuid::max()),
+            payload,
+            created_at: chrono::DateTime::from_timestamp(1_800_000_000, 5).unwrap(),
+            trace_context: None,
+        }
+    }
+
+    #[test]
+    fn a_completed_step_carries_its_outcome_and_how_it_was_known() {
+        let m = message(
+            "step_completed",
+            serde_json::json!({ "outcome": "succeeded", "verification": "direct" }),
+        );
+        let e = envelope(&m).unwrap();
+        assert_eq!(e.msg_id, "step_completed-1");
+        assert_eq!(e.created_at.unwrap().seconds, 1_800_000_000);
+        let Some(Body::StepCompleted(c)) = e.body else {
+            panic!("a step_completed body")
+        };
+        assert_eq!(
+            (c.outcome.as_str(), c.verification.as_str()),
+            ("succeeded", "direct")
+        );
+        assert_eq!(c.step_id, uuid::Uuid::max().to_string());
+    }
+
+    #[test]
+    fn a_workflow_message_names_no_step_and_a_missing_field_reads_empty() {
+        let mut m = message("workflow_changed", serde_json::json!({}));
+        m.step_id = None;
+        let Some(Body::WorkflowChanged(w)) = envelope(&m).unwrap().body else {
+            panic!("a workflow_changed body")
+        };
+        assert_eq!(w.state, "");
+        assert_eq!(w.workflow_id, uuid::Uuid::nil().to_string());
+    }
+
+    #[test]
+    fn a_kind_no_topic_carries_is_not_published() {
+        assert!(envelope(&message("no_such_kind", serde_json::json!({}))).is_none());
+    }
+}

@@ -458,3 +458,109 @@ impl WorkflowService for Workflows {
         )))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn step(name: &str) -> pb::StepDefinition {
+        pb::StepDefinition {
+            name: name.into(),
+            adapter: "http".into(),
+            operation: "charge".into(),
+            ..Default::default()
+        }
+    }
+
+    fn submission(steps: Vec<pb::StepDefinition>) -> pb::SubmitRequest {
+        pb::SubmitRequest {
+            client_key: "order-7".into(),
+            name: "checkout".into(),
+            steps,
+            deadline: None,
+        }
+    }
+
+    /// The field an `INVALID_ARGUMENT` names, before its reason.
+    fn refused_field(req: pb::SubmitRequest) -> String {
+        let status = new_workflow(req).expect_err("refused");
+        assert_eq!(status.code(), tonic::Code::InvalidArgument);
+        status
+            .message()
+            .split_once(':')
+            .map(|(f, _)| f.to_owned())
+            .unwrap_or_default()
+    }
+
+    #[test]
+    fn a_submission_becomes_the_stores_form_with_an_empty_input_as_an_object() {
+        let mut charge = step("charge");
+        charge.input_json = r#"{"amount": 12}"#.into();
+        let mut ship = step("ship");
+        ship.depends_on = vec!["charge".into()];
+        let w = new_workflow(submission(vec![charge, ship])).unwrap();
+        assert_eq!(w.client_key.as_str(), "order-7");
+        assert_eq!(w.steps[0].input, serde_json::json!({ "amount": 12 }));
+        assert_eq!(w.steps[1].input, serde_json::json!({}));
+        assert_eq!(w.steps[1].depends_on[0].as_str(), "charge");
+    }
+
+    #[test]
+    fn each_bad_field_is_named_with_its_place() {
+        let mut bad_key = submission(vec![step("a")]);
+        bad_key.client_key = String::new();
+        assert_eq!(refused_field(bad_key), "client_key");
+
+        assert_eq!(
+            refused_field(submission(vec![step("a"), step("")])),
+            "steps[1].name"
+        );
+
+        let mut bad_input = step("a");
+        bad_input.input_json = "{not json".into();
+        assert_eq!(
+            refused_field(submission(vec![bad_input])),
+            "steps[0].input_json"
+        );
+
+        let mut bad_dep = step("a");
+        bad_dep.depends_on = vec!["b".into(), String::new()];
+        assert_eq!(
+            refused_field(submission(vec![bad_dep])),
+            "steps[0].depends_on[1]"
+        );
+
+        let mut far = submission(vec![step("a")]);
+        far.deadline = Some(prost_types::Timestamp {
+            seconds: i64::MAX,
+            nanos: 0,
+        });
+        assert_eq!(refused_field(far), "deadline");
+    }
+
+    #[test]
+    fn a_policy_field_left_at_zero_takes_the_default() {
+        let d = LeasePolicy::default();
+        assert_eq!(policy_from_wire(None), d);
+        let p = policy_from_wire(Some(pb::LeasePolicy {
+            lease_ms: 3_000,
+            max_attempts: 0,
+            ..Default::default()
+        }));
+        assert_eq!(p.lease, Duration::from_millis(3_000));
+        assert_eq!(p.max_attempts, d.max_attempts);
+        assert_eq!(p.adapter_timeout, d.adapter_timeout);
+    }
+
+    #[test]
+    fn every_product_state_has_its_wire_name() {
+        for (state, wire) in [
+            (ProductState::Preparing, pb::ProductState::Preparing),
+            (ProductState::NeedsReview, pb::ProductState::NeedsReview),
+            (ProductState::Completed, pb::ProductState::Completed),
+            (ProductState::Cancelled, pb::ProductState::Cancelled),
+        ] {
+            assert_eq!(product_to_wire(state), wire);
+        }
+    }
+}
