@@ -15,6 +15,7 @@ use z29c_core::{Role, StepId, WorkflowId};
 use z29c_proto::v1::adapter_gateway_client::AdapterGatewayClient;
 use z29c_proto::v1::{self as pb};
 use z29c_scenarios::cluster::{Cluster, chain};
+use z29c_scenarios::matrix;
 
 /// Sends bytes as they are and returns the answer's bytes: a client that does not speak
 /// protobuf correctly.
@@ -227,6 +228,12 @@ async fn malformed_oversized_and_unknown_input_is_refused_and_changes_nothing() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deadlines_are_capped_and_each_caller_has_its_own_rate() -> Result<()> {
+    // one-step workflows whose calls fit the 2 s cap
+    let fitting = |key: &str| {
+        let mut req = chain(key, "ok", 1);
+        req.steps[0].policy = Some(matrix::policy());
+        req
+    };
     let (cluster, pool) = cluster(
         "idempotent",
         &[
@@ -242,7 +249,7 @@ async fn deadlines_are_capped_and_each_caller_has_its_own_rate() -> Result<()> {
     let mut r = cluster.client_with(&tls, Some(&randy)).await?;
     let mut refused = None;
     for i in 0..6 {
-        match r.submit(chain(&format!("r-{i}"), "ok", 1)).await {
+        match r.submit(fitting(&format!("r-{i}"))).await {
             Ok(_) => {}
             Err(s) => {
                 refused = Some((i, s));
@@ -256,13 +263,34 @@ async fn deadlines_are_capped_and_each_caller_has_its_own_rate() -> Result<()> {
     assert!(s.message().contains("retry in"), "{}", s.message());
     let olga = cluster.token("olga", &[Role::Operator])?;
     let mut o = cluster.client_with(&tls, Some(&olga)).await?;
-    o.submit(chain("o-1", "ok", 1)).await?;
+    o.submit(fitting("o-1")).await?;
     let limited: i64 = sqlx::query_scalar(
         "SELECT count(*) FROM audit_log WHERE outcome = 'rate_limited' AND subject = 'randy'",
     )
     .fetch_one(&pool)
     .await?;
     assert!(limited <= 1);
+
+    // a step whose adapter timeout the gateways would cut is refused at submit, naming the
+    // field and the bound, instead of being cut short and retried at the cut
+    let mut long_call = fitting("o-long");
+    long_call.steps[0].policy = Some(pb::LeasePolicy {
+        adapter_timeout_ms: 5_000,
+        ..matrix::policy()
+    });
+    let s = o
+        .submit(long_call)
+        .await
+        .expect_err("a call longer than the cap");
+    assert_eq!(s.code(), Code::InvalidArgument);
+    assert!(
+        s.message()
+            .starts_with("steps[0].policy.adapter_timeout_ms:")
+            && s.message().contains("5000 ms")
+            && s.message().contains("2000 ms"),
+        "{}",
+        s.message()
+    );
 
     // a call with an hour's deadline, and one with none, end within the server's cap: the
     // gateway answers "unknown" itself before the cap would cut the call

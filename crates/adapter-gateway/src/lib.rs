@@ -58,10 +58,13 @@ pub async fn run(
                 .set_permit_limit(&a.name, class, i32::try_from(*limit).unwrap_or(i32::MAX))
                 .await?;
         }
-        // a permit this gateway still holds from before it started is a call that ended with
-        // the earlier process: its request may have reached the destination, so the permit
-        // counts on for the safety window, as any unknown outcome's, but no call is in flight
-        // for recovery to wait for
+    }
+    // Before it registers (so no call of this process has a permit yet): a permit this
+    // gateway's name still holds from before it started is a call that ended with the earlier
+    // process. Its request may have reached the destination, so the permit counts on for the
+    // safety window, as any unknown outcome's, but no call is in flight for recovery to wait
+    // for. Gateway ids are unique per instance, as the registry requires.
+    for a in &config.adapters {
         let orphaned = store
             .hold_earlier_permits_unknown(
                 &config.id,
@@ -86,6 +89,7 @@ pub async fn run(
     let addr = listener.local_addr()?;
     let record = GatewayRecord {
         id: config.id.clone(),
+        max_call_ms: Some(config.grpc.max_deadline_ms),
         // behind 0.0.0.0 (a container, a pod) executors need the address others reach it by
         endpoint: config.advertise.clone().unwrap_or_else(|| {
             let scheme = if config.tls.enabled().unwrap_or(false) {

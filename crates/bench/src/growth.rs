@@ -105,10 +105,10 @@ pub async fn z29c_growth(
         sqlx::query(
             "INSERT INTO steps (id, workflow_id, name, position, adapter, operation, input,
                  input_digest, lease_ms, renew_every_ms, attempt_deadline_ms, final_grace_ms,
-                 adapter_timeout_ms, progress_observable, max_attempts, state)
+                 adapter_timeout_ms, max_attempts, state)
              SELECT gen_random_uuid(), w.id, t.name, t.position, t.adapter, t.operation, t.input,
                  t.input_digest, t.lease_ms, t.renew_every_ms, t.attempt_deadline_ms,
-                 t.final_grace_ms, t.adapter_timeout_ms, t.progress_observable, t.max_attempts,
+                 t.final_grace_ms, t.adapter_timeout_ms, t.max_attempts,
                  t.state
              FROM workflows w
              CROSS JOIN steps t

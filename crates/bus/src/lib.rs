@@ -410,6 +410,10 @@ pub struct GatewayRecord {
     /// `http://host:port` of its gRPC server.
     pub endpoint: String,
     pub adapters: Vec<AdapterRecord>,
+    /// The longest one call may run at this gateway (its `grpc.max_deadline_ms`), if it says:
+    /// a step whose adapter timeout is longer is refused at submit, not cut short.
+    #[serde(default)]
+    pub max_call_ms: Option<u64>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]

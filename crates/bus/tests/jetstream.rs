@@ -88,6 +88,7 @@ async fn gateways_register_and_are_listed() {
     let record = z29c_bus::GatewayRecord {
         id: "gw-1".into(),
         endpoint: "http://127.0.0.1:1".into(),
+        max_call_ms: Some(60_000),
         adapters: vec![z29c_bus::AdapterRecord {
             name: "http".into(),
             version: "http/1".into(),
@@ -105,6 +106,7 @@ fn gateway(id: &str) -> z29c_bus::GatewayRecord {
     z29c_bus::GatewayRecord {
         id: id.into(),
         endpoint: format!("http://127.0.0.1:1/{id}"),
+        max_call_ms: None,
         adapters: vec![z29c_bus::AdapterRecord {
             name: "http".into(),
             version: "http/1".into(),

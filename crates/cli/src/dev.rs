@@ -238,7 +238,7 @@ pub(crate) async fn run(args: DevArgs) -> anyhow::Result<()> {
     println!("  scheduler (WorkflowService): {server}");
     println!("  recovery (ReviewService): {review_server}");
     println!("  destination (synthetic external system): {destination_url}");
-    println!("  PostgreSQL: {}", infra.database_url);
+    println!("  PostgreSQL: {}", shared.database_url);
     println!("  NATS: {} (prefix {prefix})", infra.nats_url);
     if let (Some(dir), Some(token)) = (&security.dir, &security.token) {
         println!(

@@ -140,7 +140,7 @@ fn parse_role(s: &str) -> Result<z29c_core::Role, String> {
         .map_err(|_| format!("{s:?} is not a role: use viewer, operator or resolver"))
 }
 
-fn config<T: Serialize + DeserializeOwned + z29c_runtime::Validate>(
+fn config<T: Serialize + DeserializeOwned + Default + z29c_runtime::Validate>(
     args: &ServiceArgs,
 ) -> anyhow::Result<Option<T>> {
     let c: T = z29c_runtime::load_config(args.config.as_deref())?;

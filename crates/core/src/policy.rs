@@ -38,10 +38,6 @@ pub struct LeasePolicy {
     /// The most time one attempt may hold authority. Renewal never extends past it.
     #[serde(rename = "attempt_deadline_ms", with = "millis")]
     pub attempt_deadline: Duration,
-    /// Whether the step reports progress that renewal can rely on (pure computation); opaque
-    /// external calls cannot, and are bounded by their deadlines instead.
-    #[serde(default)]
-    pub progress_observable: bool,
     /// Time kept back before the attempt deadline to persist a final observation (a timeout).
     #[serde(rename = "final_grace_ms", with = "millis")]
     pub final_grace: Duration,
@@ -58,7 +54,6 @@ impl Default for LeasePolicy {
             lease: Duration::from_secs(15),
             renew_every: Duration::from_secs(5),
             attempt_deadline: Duration::from_secs(60),
-            progress_observable: false,
             final_grace: Duration::from_secs(2),
             adapter_timeout: Duration::from_secs(10),
             max_attempts: 5,
@@ -101,6 +96,7 @@ pub fn connect_backoff(patience: Duration) -> backon::ExponentialBuilder {
 
 /// Limits every step policy must respect, set by the operator of the platform.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
 pub struct PlatformBounds {
     #[serde(with = "millis")]
     pub min_lease: Duration,
@@ -126,6 +122,23 @@ impl Default for PlatformBounds {
 }
 
 impl LeasePolicy {
+    /// Checks that a gateway that lets one call run at most `max_call` can give this policy's
+    /// adapter timeout in full: a longer one would be cut short there, silently, and the step
+    /// retried at the cut again and again.
+    pub fn fits_call_limit(&self, max_call: Duration) -> Result<(), PolicyError> {
+        if self.adapter_timeout > max_call {
+            return Err(err(
+                "adapter_timeout_ms",
+                format!(
+                    "{} ms is longer than the {} ms a gateway serving this adapter lets one call run (its grpc.max_deadline_ms)",
+                    self.adapter_timeout.as_millis(),
+                    max_call.as_millis()
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     /// Checks the policy against the bounds and against itself. The first offending field is
     /// named; a policy that passes leaves room for at least two renewals per lease, a final
     /// observation inside the lease, and an adapter call that ends before the grace period.
@@ -280,6 +293,23 @@ mod tests {
 
     fn ms(v: u64) -> Duration {
         Duration::from_millis(v)
+    }
+
+    #[test]
+    fn an_adapter_timeout_a_gateway_would_cut_is_refused_naming_the_bound() {
+        let p = LeasePolicy {
+            adapter_timeout: ms(280_000),
+            ..LeasePolicy::default()
+        };
+        let e = p.fits_call_limit(ms(60_000)).unwrap_err();
+        assert_eq!(e.field, "adapter_timeout_ms");
+        assert!(
+            e.reason.contains("280000 ms") && e.reason.contains("60000 ms"),
+            "{e}"
+        );
+        // exactly the limit fits; so does anything shorter
+        p.fits_call_limit(ms(280_000)).unwrap();
+        LeasePolicy::default().fits_call_limit(ms(60_000)).unwrap();
     }
 
     #[test]

@@ -198,9 +198,10 @@ pub enum AfterReconcile {
 /// The rule of a reconciliation. Two references for one request identity are never chosen
 /// between. An answer that says the request succeeded outranks one that says it was refused
 /// (the same identity may have been answered both ways, and the success is an effect that must
-/// not be hidden), and among successes the first that names its reference is taken. A failure
-/// is committed only when every answer is a readable refusal: an unreadable answer may hide an
-/// effect, so it goes to a person instead.
+/// not be hidden); a success is committed only with its reference (a receipt of success names
+/// the effect), so one without goes to a person. A failure is committed only when every answer
+/// is a readable refusal (the first that names a reference, if one does): an unreadable answer
+/// may hide an effect, so it goes to a person instead.
 pub fn after_reconcile(answers: &[RecordedAnswer<'_>]) -> AfterReconcile {
     let mut references: Vec<&str> = answers.iter().filter_map(|a| a.reference).collect();
     references.sort_unstable();
@@ -212,19 +213,24 @@ pub fn after_reconcile(answers: &[RecordedAnswer<'_>]) -> AfterReconcile {
         return AfterReconcile::IntegrityConflict;
     }
     let succeeded = |a: &RecordedAnswer<'_>| a.outcome == Some(Outcome::Succeeded);
-    if let Some(i) = answers
-        .iter()
-        .position(|a| succeeded(a) && a.reference.is_some())
-        .or_else(|| answers.iter().position(succeeded))
-    {
-        return AfterReconcile::CommitObserved {
-            index: i,
-            outcome: Outcome::Succeeded,
+    if answers.iter().any(succeeded) {
+        return match answers
+            .iter()
+            .position(|a| succeeded(a) && a.reference.is_some())
+        {
+            Some(index) => AfterReconcile::CommitObserved {
+                index,
+                outcome: Outcome::Succeeded,
+            },
+            None => AfterReconcile::NoEvidence,
         };
     }
     if answers.iter().all(|a| a.outcome == Some(Outcome::Failed)) {
         return AfterReconcile::CommitObserved {
-            index: 0,
+            index: answers
+                .iter()
+                .position(|a| a.reference.is_some())
+                .unwrap_or(0),
             outcome: Outcome::Failed,
         };
     }
@@ -406,7 +412,11 @@ mod tests {
         const NO: Option<Outcome> = Some(Outcome::Failed);
         use AfterReconcile::*;
         assert_eq!(after_reconcile(&[]), NoEvidence);
-        assert_eq!(after_reconcile(&[answer(OK, None)]), done(0));
+        // a success is committed with its reference, never without
+        assert_eq!(
+            after_reconcile(&[answer(OK, None)]),
+            AfterReconcile::NoEvidence
+        );
         assert_eq!(after_reconcile(&[answer(OK, Some("r1"))]), done(0));
         let same = [
             answer(OK, Some("r1")),
@@ -430,8 +440,14 @@ mod tests {
         // among successes, the one that names its reference
         let unnamed_first = [answer(NO, None), answer(OK, None), answer(OK, Some("r1"))];
         assert_eq!(after_reconcile(&unnamed_first), done(2));
-        let unread_then_done = [answer(None, None), answer(OK, None)];
+        let unread_then_done = [answer(None, None), answer(OK, Some("r1"))];
         assert_eq!(after_reconcile(&unread_then_done), done(1));
+        // a success without its reference is not committed, and no refusal stands in for it
+        let refused_then_unnamed = [answer(NO, None), answer(OK, None)];
+        assert_eq!(
+            after_reconcile(&refused_then_unnamed),
+            AfterReconcile::NoEvidence
+        );
     }
 
     #[test]
@@ -442,6 +458,11 @@ mod tests {
         assert_eq!(
             after_reconcile(&[answer(NO, None), answer(NO, None)]),
             refused(0)
+        );
+        // the refusal that names a reference, if one does
+        assert_eq!(
+            after_reconcile(&[answer(NO, None), answer(NO, Some("r1"))]),
+            refused(1)
         );
         assert_eq!(after_reconcile(&[answer(None, None)]), NoEvidence);
         assert_eq!(

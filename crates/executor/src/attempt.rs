@@ -32,7 +32,8 @@ enum Renewal {
     /// The gateway recorded the answer (*response observed*): the call is over.
     Answered,
     /// The store refused the renewal: the lease is gone (superseded, expired, past the
-    /// attempt deadline). The call finishes; its answer becomes late evidence.
+    /// attempt deadline), or asking again cannot mend what went wrong. The call finishes; its
+    /// answer becomes late evidence.
     Lost,
 }
 
@@ -51,8 +52,8 @@ fn after_renewal<T>(result: &Result<T, StoreError>, version: i64) -> Renewal {
         {
             Renewal::Answered
         }
-        Err(StoreError::Fenced(_)) => Renewal::Lost,
-        Err(_) => Renewal::Retry,
+        Err(StoreError::Transient(_) | StoreError::Database(_)) => Renewal::Retry,
+        Err(_) => Renewal::Lost,
     }
 }
 
@@ -423,6 +424,13 @@ mod tests {
                 Renewal::Lost,
                 "{shown}"
             );
+        }
+        // an error asking again cannot mend (the step gone, a stored value unreadable)
+        for e in [
+            StoreError::NotFound { what: "step" },
+            StoreError::Corrupt("state".into()),
+        ] {
+            assert_eq!(after_renewal(&Err::<(), _>(e), BEGUN), Renewal::Lost);
         }
     }
 }

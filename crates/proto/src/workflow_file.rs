@@ -59,7 +59,6 @@ impl WorkflowFile {
                             WorkflowFileError(format!("steps[{i}].policy.max_attempts: too large"))
                         })?
                     }
-                    "progress_observable" => policy.progress_observable = v != 0,
                     other => {
                         return Err(WorkflowFileError(format!(
                             "steps[{i}].policy.{other}: unknown policy field"

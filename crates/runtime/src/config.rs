@@ -6,7 +6,7 @@ use std::net::SocketAddr;
 use std::path::Path;
 
 use figment::Figment;
-use figment::providers::{Env, Format, Toml};
+use figment::providers::{Env, Format, Serialized, Toml};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use z29c_security::{DatabaseUrl, TlsConfig};
@@ -108,13 +108,15 @@ impl Validate for SharedConfig {
 
 /// Loads a service's configuration: its defaults, then `file` (TOML) if given, then environment
 /// variables `Z29C_<FIELD>` (nested fields with `__`, e.g. `Z29C_NATS_TLS__CA_FILE`), then
-/// checks it. Defaults come from the type itself (`#[serde(default)]`), never from a
-/// serialized copy: what is serialized is what may be shown, with secrets redacted.
+/// checks it. A table set only in part keeps the service's own defaults for the rest.
 pub fn load_config<T>(file: Option<&Path>) -> anyhow::Result<T>
 where
-    T: DeserializeOwned + Validate,
+    T: Serialize + DeserializeOwned + Default + Validate,
 {
-    let mut figment = Figment::new();
+    // the defaults serialize as they would be shown, the database password redacted: the
+    // default database URL goes back in as it is
+    let mut figment = Figment::from(Serialized::defaults(T::default()))
+        .merge(Serialized::default("database_url", DEFAULT_DATABASE_URL));
     if let Some(file) = file {
         figment = figment.merge(Toml::file_exact(file));
     }
@@ -145,6 +147,56 @@ mod tests {
             ..SharedConfig::default()
         };
         assert_eq!(bad_nats.validate().unwrap_err().field, "nats_url");
+    }
+
+    /// A service whose nested table has defaults of its own, as the gateway's `grpc` has.
+    #[derive(Debug, Serialize, Deserialize)]
+    #[serde(default)]
+    struct Service {
+        #[serde(flatten)]
+        shared: SharedConfig,
+        grpc: crate::ServerLimits,
+    }
+
+    impl Default for Service {
+        fn default() -> Self {
+            Self {
+                shared: SharedConfig::default(),
+                grpc: crate::ServerLimits {
+                    max_deadline_ms: 60_000,
+                    ..Default::default()
+                },
+            }
+        }
+    }
+
+    impl Validate for Service {
+        fn validate(&self) -> Result<(), Invalid> {
+            self.shared.validate()
+        }
+    }
+
+    #[test]
+    // figment::Jail's closure returns figment's own (large) error type
+    #[allow(clippy::result_large_err)]
+    fn a_table_set_in_part_keeps_the_services_defaults_and_the_database_url_its_password() {
+        figment::Jail::expect_with(|jail| {
+            jail.set_env("Z29C_GRPC__CONCURRENCY_PER_CONNECTION", "128");
+            let c: Service = load_config(None).map_err(|e| e.to_string())?;
+            assert_eq!(c.grpc.concurrency_per_connection, 128);
+            assert_eq!(
+                c.grpc.max_deadline_ms, 60_000,
+                "the service's default, not the type's"
+            );
+            assert_eq!(c.shared.database_url.expose(), DEFAULT_DATABASE_URL);
+            jail.set_env("Z29C_DATABASE_URL", "postgres://app:s3cret@db/z29c");
+            let c: Service = load_config(None).map_err(|e| e.to_string())?;
+            assert_eq!(
+                c.shared.database_url.expose(),
+                "postgres://app:s3cret@db/z29c"
+            );
+            Ok(())
+        });
     }
 
     #[test]

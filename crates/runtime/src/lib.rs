@@ -21,7 +21,7 @@ use z29c_store::StoreError;
 /// line, configuration layered as [`load_config`] does, tracing, signals, then `run`.
 pub fn service_main<C, F, Fut>(name: &str, run: F) -> anyhow::Result<()>
 where
-    C: Serialize + DeserializeOwned + Validate,
+    C: Serialize + DeserializeOwned + Default + Validate,
     F: FnOnce(C, CancellationToken) -> Fut,
     Fut: std::future::Future<Output = anyhow::Result<()>>,
 {

@@ -93,7 +93,6 @@ fn policy_from_wire(p: Option<pb::LeasePolicy>) -> LeasePolicy {
         lease: ms(p.lease_ms, d.lease),
         renew_every: ms(p.renew_every_ms, d.renew_every),
         attempt_deadline: ms(p.attempt_deadline_ms, d.attempt_deadline),
-        progress_observable: p.progress_observable,
         final_grace: ms(p.final_grace_ms, d.final_grace),
         adapter_timeout: ms(p.adapter_timeout_ms, d.adapter_timeout),
         max_attempts: if p.max_attempts == 0 {
@@ -202,6 +201,16 @@ pub fn workflow_to_wire(w: &WorkflowDetail, steps: Vec<pb::Step>) -> pb::Workflo
     }
 }
 
+/// The longest call every registered gateway serving `adapter` lets run, if any says.
+fn call_limit(gateways: &[GatewayRecord], adapter: &str) -> Option<Duration> {
+    gateways
+        .iter()
+        .filter(|g| g.adapters.iter().any(|a| a.name == adapter))
+        .filter_map(|g| g.max_call_ms)
+        .min()
+        .map(Duration::from_millis)
+}
+
 fn parse_id(field: &str, s: &str) -> Result<WorkflowId, Status> {
     s.parse()
         .map_err(|e: z29c_core::ParseError| invalid(field, e.reason))
@@ -261,6 +270,14 @@ impl Workflows {
                 format!("steps[{i}].adapter"),
                 format!("no gateway serves adapter {:?}", wf.steps[i].adapter),
             ));
+        }
+        // a step's call must fit every gateway it may be sent to: none cuts it short
+        for (i, s) in wf.steps.iter().enumerate() {
+            if let Some(max_call) = call_limit(&gateways, &s.adapter) {
+                s.policy
+                    .fits_call_limit(max_call)
+                    .map_err(|e| invalid(format!("steps[{i}].policy.{}", e.field), e.reason))?;
+            }
         }
         let steps = wf.steps.len();
         let prepared = Prepared::new(wf, &self.limits).map_err(status_from_store)?;
@@ -550,6 +567,35 @@ mod tests {
         assert_eq!(p.lease, Duration::from_millis(3_000));
         assert_eq!(p.max_attempts, d.max_attempts);
         assert_eq!(p.adapter_timeout, d.adapter_timeout);
+    }
+
+    fn gateway(adapter: &str, max_call_ms: Option<u64>) -> GatewayRecord {
+        GatewayRecord {
+            id: format!("gw-{max_call_ms:?}"),
+            endpoint: "http://127.0.0.1:1".into(),
+            adapters: vec![z29c_bus::AdapterRecord {
+                name: adapter.into(),
+                version: "1".into(),
+                capability: z29c_core::AdapterCapability::Idempotent,
+            }],
+            max_call_ms,
+        }
+    }
+
+    #[test]
+    fn the_call_limit_is_the_least_of_the_gateways_that_serve_the_adapter() {
+        let gateways = [
+            gateway("http", Some(60_000)),
+            gateway("http", Some(30_000)),
+            gateway("http", None),
+            gateway("ledger", Some(5_000)),
+        ];
+        assert_eq!(
+            call_limit(&gateways, "http"),
+            Some(Duration::from_millis(30_000))
+        );
+        assert_eq!(call_limit(&gateways, "mail"), None);
+        assert_eq!(call_limit(&[gateway("http", None)], "http"), None);
     }
 
     #[test]

@@ -27,20 +27,24 @@ impl DatabaseUrl {
                 parsed.scheme()
             ));
         }
-        if parsed.host_str().is_none_or(str::is_empty) {
-            return Err("the URL names no host".into());
+        // a Unix socket is named by a `host` parameter (`postgres:///z29c?host=/run/postgresql`)
+        if parsed.host_str().is_none_or(str::is_empty)
+            && !parsed.query_pairs().any(|(k, _)| k == "host")
+        {
+            return Err("the URL names no host (nor a `host` parameter)".into());
         }
         let mut shown = parsed.clone();
         if parsed.password().is_some() {
             // a URL with a host always takes a password
             let _ = shown.set_password(Some(REDACTED));
         }
-        // a password given as a query parameter is as secret
-        if parsed.query_pairs().any(|(k, _)| k == "password") {
+        // a password given as a query parameter is as secret, and so is a client key's
+        let secret = |k: &str| matches!(k, "password" | "sslpassword");
+        if parsed.query_pairs().any(|(k, _)| secret(&k)) {
             let pairs: Vec<(String, String)> = parsed
                 .query_pairs()
                 .map(|(k, v)| {
-                    let v = if k == "password" {
+                    let v = if secret(&k) {
                         REDACTED.into()
                     } else {
                         v.into_owned()
@@ -125,9 +129,10 @@ mod tests {
     #[test]
     fn a_password_in_the_query_is_redacted_too() {
         let url = DatabaseUrl::parse(
-            "postgresql://db.example/z29c?user=app&password=s3cret&sslmode=require",
+            "postgresql://db.example/z29c?user=app&password=s3cret&sslmode=require&sslpassword=k3y",
         )
         .unwrap();
+        assert!(!url.shown().contains("k3y"), "{}", url.shown());
         assert!(!url.shown().contains("s3cret"), "{}", url.shown());
         assert!(url.shown().contains("sslmode=require"), "{}", url.shown());
         assert!(url.expose().contains("s3cret"));
@@ -137,6 +142,8 @@ mod tests {
     fn a_url_without_a_password_is_shown_as_it_is() {
         let url = DatabaseUrl::parse("postgres://postgres@127.0.0.1/z29c").unwrap();
         assert_eq!(url.shown(), "postgres://postgres@127.0.0.1/z29c");
+        let socket = DatabaseUrl::parse("postgres:///z29c?host=/run/postgresql").unwrap();
+        assert_eq!(socket.expose(), "postgres:///z29c?host=/run/postgresql");
     }
 
     #[test]

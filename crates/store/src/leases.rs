@@ -69,7 +69,6 @@ struct ClaimRow {
     attempt_deadline_ms: i32,
     final_grace_ms: i32,
     adapter_timeout_ms: i32,
-    progress_observable: bool,
     max_attempts: i32,
     request_identity: Option<String>,
     lease_owner: String,
@@ -120,7 +119,6 @@ impl TryFrom<ClaimRow> for ClaimedStep {
                 lease: ms(r.lease_ms),
                 renew_every: ms(r.renew_every_ms),
                 attempt_deadline: ms(r.attempt_deadline_ms),
-                progress_observable: r.progress_observable,
                 final_grace: ms(r.final_grace_ms),
                 adapter_timeout: ms(r.adapter_timeout_ms),
                 max_attempts: u32::try_from(r.max_attempts).unwrap_or(1),
@@ -239,8 +237,8 @@ macro_rules! claim_sql {
              )
              SELECT l.id, l.workflow_id, l.name, l.adapter, l.operation, l.input,
                     l.input_digest, l.lease_ms, l.renew_every_ms, l.attempt_deadline_ms,
-                    l.final_grace_ms, l.adapter_timeout_ms, l.progress_observable,
-                    l.max_attempts, l.request_identity, l.lease_owner, l.lease_version,
+                    l.final_grace_ms, l.adapter_timeout_ms, l.max_attempts,
+                    l.request_identity, l.lease_owner, l.lease_version,
                     l.current_attempt_id, l.attempts_made, l.checkpoint_version, l.leased_at,
                     l.expires_at, l.attempt_deadline, w.deadline AS workflow_deadline,
                     now() AS db_now, w.trace_context

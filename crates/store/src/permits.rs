@@ -256,7 +256,7 @@ impl Store {
                  SET state = 'unknown',
                      expires_at = LEAST(expires_at,
                                         clock_timestamp() + $3::bigint * interval '1 millisecond')
-                 WHERE id IN (SELECT id FROM held)
+                 WHERE id IN (SELECT id FROM held) AND state = 'held'
                  RETURNING id, adapter, operation_class, slot, expires_at
              ), moved AS (
                  UPDATE adapter_permit_slots s SET expires_at = p.expires_at

@@ -129,8 +129,9 @@ pub struct RecoverySnapshot {
 pub struct CallInFlight {
     /// The gateway that holds the permit; a gateway no longer registered holds no call.
     pub gateway: String,
-    /// When the permit stops counting, unless the gateway releases it first (with the answer
-    /// on record): the call's own deadline, and a little.
+    /// When the call is over at the latest: its own deadline (the adapter timeout from
+    /// *invocation began*, and a second for the answer), or its permit's end if that comes
+    /// first. The gateway releases the permit sooner, once the answer is on record.
     pub until: DateTime<Utc>,
 }
 
@@ -374,11 +375,23 @@ impl Store {
         .await?;
         // the expired attempt's call, if a gateway still holds its permit; permits are looked
         // up through the slots they occupy (a table as small as the adapters' limits)
+        // it is in flight no longer than its permit counts, nor than its own deadline (the
+        // adapter timeout from *invocation began*, and the gateway's margin for the answer)
         let call_in_flight: Option<CallInFlight> = sqlx::query_as(
-            "SELECT p.gateway, slot.expires_at AS until
-             FROM adapter_permit_slots slot JOIN adapter_permits p ON p.id = slot.permit_id
-             WHERE p.attempt_id = $1 AND p.state = 'held' AND slot.expires_at > now()
-             ORDER BY slot.expires_at DESC LIMIT 1",
+            "SELECT gateway, until FROM (
+                 SELECT p.gateway,
+                        LEAST(slot.expires_at,
+                              a.invocation_began_at
+                                  + (st.adapter_timeout_ms + 1000) * interval '1 millisecond')
+                            AS until
+                 FROM adapter_permit_slots slot
+                 JOIN adapter_permits p ON p.id = slot.permit_id
+                 JOIN attempts a ON a.id = p.attempt_id
+                 JOIN steps st ON st.id = a.step_id
+                 WHERE p.attempt_id = $1 AND p.state = 'held'
+             ) held
+             WHERE until > now()
+             ORDER BY until DESC LIMIT 1",
         )
         .bind(attempt)
         .fetch_optional(&mut *tx)

@@ -415,7 +415,6 @@ impl Store {
                     "attempt_deadline_ms": millis(policy.attempt_deadline),
                     "final_grace_ms": millis(policy.final_grace),
                     "adapter_timeout_ms": millis(policy.adapter_timeout),
-                    "progress_observable": policy.progress_observable,
                     "max_attempts": policy.max_attempts,
                     "state": submitted_state(s).as_str(),
                     "pending_deps": s.depends_on.len(),
@@ -439,17 +438,17 @@ impl Store {
              ), s AS (
                  INSERT INTO steps (id, workflow_id, name, position, adapter, operation, input,
                      input_digest, lease_ms, renew_every_ms, attempt_deadline_ms, final_grace_ms,
-                     adapter_timeout_ms, progress_observable, max_attempts, state, pending_deps)
+                     adapter_timeout_ms, max_attempts, state, pending_deps)
                  SELECT x.id, w.id, x.name, x.position, x.adapter, x.operation, x.input,
                      x.input_digest, x.lease_ms, x.renew_every_ms, x.attempt_deadline_ms,
-                     x.final_grace_ms, x.adapter_timeout_ms, x.progress_observable,
-                     x.max_attempts, x.state::step_state, x.pending_deps
+                     x.final_grace_ms, x.adapter_timeout_ms, x.max_attempts,
+                     x.state::step_state, x.pending_deps
                  FROM jsonb_to_recordset($7) AS x(workflow_id uuid, id uuid, name text,
                      position integer, adapter text, operation text, input jsonb,
                      input_digest text, lease_ms integer, renew_every_ms integer,
                      attempt_deadline_ms integer, final_grace_ms integer,
-                     adapter_timeout_ms integer, progress_observable boolean,
-                     max_attempts integer, state text, pending_deps integer)
+                     adapter_timeout_ms integer, max_attempts integer,
+                     state text, pending_deps integer)
                  JOIN w ON w.id = x.workflow_id
              ), d AS (
                  INSERT INTO step_dependencies (step_id, depends_on)

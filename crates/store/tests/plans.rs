@@ -46,10 +46,10 @@ async fn claims_do_not_read_finished_history(pool: PgPool) {
     sqlx::query(
         "INSERT INTO steps (id, workflow_id, name, position, adapter, operation, input,
              input_digest, lease_ms, renew_every_ms, attempt_deadline_ms, final_grace_ms,
-             adapter_timeout_ms, progress_observable, max_attempts, state)
+             adapter_timeout_ms, max_attempts, state)
          SELECT gen_random_uuid(), w.id, t.name, t.position, t.adapter, t.operation, t.input,
              t.input_digest, t.lease_ms, t.renew_every_ms, t.attempt_deadline_ms,
-             t.final_grace_ms, t.adapter_timeout_ms, t.progress_observable, t.max_attempts,
+             t.final_grace_ms, t.adapter_timeout_ms, t.max_attempts,
              t.state
          FROM workflows w CROSS JOIN steps t
          WHERE w.client_key LIKE 'ended-%' AND w.client_key <> 'ended-0'
@@ -247,10 +247,9 @@ async fn workflow_reads_walk_indexes_whatever_plan_their_connection_cached(pool:
                     FROM generate_series(1, 3000) g RETURNING id),
               s AS (INSERT INTO steps (id, workflow_id, name, position, adapter, operation,
                         input, input_digest, lease_ms, renew_every_ms, attempt_deadline_ms,
-                        final_grace_ms, adapter_timeout_ms, progress_observable, max_attempts,
-                        state)
+                        final_grace_ms, adapter_timeout_ms, max_attempts, state)
                     SELECT gen_random_uuid(), w.id, 'only', 0, 'a', 'op', '{}', repeat('a', 64),
-                        30000, 10000, 60000, 1000, 10000, false, 3, 'completed'
+                        30000, 10000, 60000, 1000, 10000, 3, 'completed'
                     FROM w RETURNING id, workflow_id),
               a AS (INSERT INTO attempts (id, step_id, workflow_id, number, lease_version,
                         owner, state, checkpoint, request_identity, input_digest, adapter,

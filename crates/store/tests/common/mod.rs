@@ -105,7 +105,6 @@ pub fn short_policy() -> LeasePolicy {
         lease: Duration::from_millis(1_000),
         renew_every: Duration::from_millis(300),
         attempt_deadline: Duration::from_millis(2_000),
-        progress_observable: false,
         final_grace: Duration::from_millis(600),
         adapter_timeout: Duration::from_millis(500),
         max_attempts: 3,
