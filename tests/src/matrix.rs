@@ -309,6 +309,7 @@ pub fn policy() -> pb::LeasePolicy {
         final_grace_ms: 500,
         adapter_timeout_ms: 1_000,
         max_attempts: 4,
+        ..Default::default()
     }
 }
 

@@ -156,6 +156,7 @@ fn policy() -> pb::LeasePolicy {
         final_grace_ms: 500,
         adapter_timeout_ms: 1_200,
         max_attempts: 6,
+        ..Default::default()
     }
 }
 

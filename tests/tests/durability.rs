@@ -43,6 +43,7 @@ async fn submit(cluster: &Cluster, key: &str) -> Result<String> {
         final_grace_ms: 1_000,
         adapter_timeout_ms: 5_000,
         max_attempts: 3,
+        ..Default::default()
     });
     Ok(cluster
         .client()

@@ -27,6 +27,7 @@ fn policy(max_attempts: u32) -> pb::LeasePolicy {
         final_grace_ms: 500,
         adapter_timeout_ms: 1_000,
         max_attempts,
+        ..Default::default()
     }
 }
 

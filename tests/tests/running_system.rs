@@ -589,3 +589,71 @@ async fn bad_submissions_name_the_field_and_store_nothing() -> Result<()> {
     pool.close().await;
     cluster.stop().await
 }
+
+/// A step that nobody starts within its schedule-to-start deadline fails with that reason,
+/// having sent nothing, and its workflow fails (the step after it never starts). A step that
+/// starts in time is not touched by its deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_step_not_started_within_its_schedule_to_start_deadline_fails_having_sent_nothing()
+-> Result<()> {
+    // no executor: nothing claims the first workflow's step
+    let mut cluster = Cluster::start(1, 0, 4).await?;
+    let pool = cluster.db.pool(2).await?;
+    let ledger = cluster.ledger_pool().await?;
+    let with_deadline = |key: &str, ms: u64| {
+        let mut req = chain(key, "ok", 2);
+        req.steps[0].policy = Some(pb::LeasePolicy {
+            schedule_to_start_ms: ms,
+            ..Default::default()
+        });
+        req
+    };
+    let late = submit(&cluster, vec![with_deadline("never-started", 1_500)]).await?;
+    cluster
+        .wait_all_ended(&late, Duration::from_secs(30))
+        .await?;
+    let states: Vec<(String, String)> =
+        sqlx::query_as("SELECT s.name, s.state::text FROM steps s ORDER BY s.position")
+            .fetch_all(&pool)
+            .await?;
+    assert_eq!(states[0].1, "failed", "{states:?}");
+    assert_ne!(states[1].1, "completed", "{states:?}");
+    let workflow: String = sqlx::query_scalar("SELECT state::text FROM workflows")
+        .fetch_one(&pool)
+        .await?;
+    assert_eq!(workflow, "failed");
+    let reason: String = sqlx::query_scalar(
+        "SELECT detail->>'reason' FROM step_events WHERE kind = 'failed_by_policy'",
+    )
+    .fetch_one(&pool)
+    .await?;
+    assert!(
+        reason.contains("schedule-to-start") && reason.contains("1500 ms"),
+        "{reason}"
+    );
+    let attempts: i64 = sqlx::query_scalar("SELECT count(*) FROM attempts")
+        .fetch_one(&pool)
+        .await?;
+    assert_eq!(attempts, 0, "nothing was claimed");
+    let requests: i64 = sqlx::query_scalar("SELECT count(*) FROM destination.requests")
+        .fetch_one(&ledger)
+        .await?;
+    assert_eq!(requests, 0, "nothing reached the destination");
+
+    // with a worker, a step started in time completes, its deadline notwithstanding
+    cluster.add_executor_with(&[]).await?;
+    let on_time = submit(&cluster, vec![with_deadline("started-in-time", 30_000)]).await?;
+    cluster
+        .wait_all_ended(&on_time, Duration::from_secs(30))
+        .await?;
+    let completed: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM steps s JOIN workflows w ON w.id = s.workflow_id
+         WHERE w.client_key = 'started-in-time' AND s.state = 'completed'",
+    )
+    .fetch_one(&pool)
+    .await?;
+    assert_eq!(completed, 2);
+    pool.close().await;
+    ledger.close().await;
+    cluster.stop().await
+}

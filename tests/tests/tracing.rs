@@ -62,6 +62,7 @@ async fn one_workflow_is_one_trace_across_all_services() -> Result<()> {
             final_grace_ms: 500,
             adapter_timeout_ms: 1_000,
             max_attempts: 3,
+            ..Default::default()
         });
     }
     let wf = cluster

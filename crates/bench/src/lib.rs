@@ -629,6 +629,7 @@ pub async fn z29c_reclaim(held: usize) -> Result<Reclaim> {
                 final_grace_ms: 1_000,
                 adapter_timeout_ms: 60_000,
                 max_attempts: 3,
+                ..Default::default()
             });
         }
         cluster.client().await?.submit(request).await?;

@@ -46,6 +46,10 @@ pub struct LeasePolicy {
     pub adapter_timeout: Duration,
     /// Attempts allowed before the step fails (only where failing is known to be safe).
     pub max_attempts: u32,
+    /// How long the step may wait, once ready, for an attempt to start its call; zero: no
+    /// limit. Past it nothing was sent, so the step fails with that reason.
+    #[serde(rename = "schedule_to_start_ms", with = "millis", default)]
+    pub schedule_to_start: Duration,
 }
 
 impl Default for LeasePolicy {
@@ -57,6 +61,7 @@ impl Default for LeasePolicy {
             final_grace: Duration::from_secs(2),
             adapter_timeout: Duration::from_secs(10),
             max_attempts: 5,
+            schedule_to_start: Duration::ZERO,
         }
     }
 }
@@ -107,6 +112,8 @@ pub struct PlatformBounds {
     #[serde(with = "millis")]
     pub max_final_grace: Duration,
     pub max_attempts: u32,
+    #[serde(with = "millis")]
+    pub max_schedule_to_start: Duration,
 }
 
 impl Default for PlatformBounds {
@@ -117,6 +124,7 @@ impl Default for PlatformBounds {
             max_attempt_deadline: Duration::from_secs(3600),
             max_final_grace: Duration::from_secs(60),
             max_attempts: 100,
+            max_schedule_to_start: Duration::from_secs(7 * 24 * 3600),
         }
     }
 }
@@ -198,6 +206,16 @@ impl LeasePolicy {
                     "{} ms must be positive and at most attempt_deadline_ms - final_grace_ms ({} ms)",
                     self.adapter_timeout.as_millis(),
                     call_room.as_millis()
+                ),
+            ));
+        }
+        if self.schedule_to_start > bounds.max_schedule_to_start {
+            return Err(err(
+                "schedule_to_start_ms",
+                format!(
+                    "{} ms is above the {} ms allowed (0: no limit)",
+                    self.schedule_to_start.as_millis(),
+                    bounds.max_schedule_to_start.as_millis()
                 ),
             ));
         }
@@ -342,6 +360,13 @@ mod tests {
                 "renew_every_ms",
                 LeasePolicy {
                     renew_every: ms(0),
+                    ..base
+                },
+            ),
+            (
+                "schedule_to_start_ms",
+                LeasePolicy {
+                    schedule_to_start: b.max_schedule_to_start + ms(1),
                     ..base
                 },
             ),

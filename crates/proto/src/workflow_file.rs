@@ -54,6 +54,7 @@ impl WorkflowFile {
                     "attempt_deadline_ms" => policy.attempt_deadline_ms = v,
                     "final_grace_ms" => policy.final_grace_ms = v,
                     "adapter_timeout_ms" => policy.adapter_timeout_ms = v,
+                    "schedule_to_start_ms" => policy.schedule_to_start_ms = v,
                     "max_attempts" => {
                         policy.max_attempts = u32::try_from(v).map_err(|_| {
                             WorkflowFileError(format!("steps[{i}].policy.max_attempts: too large"))

@@ -155,7 +155,8 @@ pub fn envelope(msg: &OutboxMessage) -> Option<wire::Envelope> {
     })
 }
 
-/// Cancels running workflows whose deadline passed: their outcome is no longer useful.
+/// Cancels running workflows whose deadline passed (their outcome is no longer useful), and
+/// fails steps that waited, ready, past their schedule-to-start deadline.
 pub async fn deadline_sweep(store: Store, shutdown: CancellationToken) {
     while !shutdown.is_cancelled() {
         match store.overdue_workflows(100).await {
@@ -172,6 +173,23 @@ pub async fn deadline_sweep(store: Store, shutdown: CancellationToken) {
                 }
             }
             Err(e) => tracing::warn!(error = %e, "deadline sweep failed"),
+        }
+        // steps that waited, ready, past their schedule-to-start deadline: nothing was sent
+        match store.steps_past_start_by(100).await {
+            Ok(steps) => {
+                for step in steps {
+                    match store.fail_unstarted(step).await {
+                        Ok(true) => {
+                            tracing::info!(%step, "step not started within its schedule-to-start deadline; failed")
+                        }
+                        Ok(false) => {}
+                        Err(e) => {
+                            tracing::warn!(%step, error = %e, "schedule-to-start failure not recorded")
+                        }
+                    }
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "schedule-to-start sweep failed"),
         }
         pause(&shutdown, Duration::from_millis(500)).await;
     }

@@ -100,6 +100,7 @@ fn policy_from_wire(p: Option<pb::LeasePolicy>) -> LeasePolicy {
         } else {
             p.max_attempts
         },
+        schedule_to_start: Duration::from_millis(p.schedule_to_start_ms),
     }
 }
 

@@ -69,6 +69,7 @@ struct ClaimRow {
     attempt_deadline_ms: i32,
     final_grace_ms: i32,
     adapter_timeout_ms: i32,
+    schedule_to_start_ms: Option<i64>,
     max_attempts: i32,
     request_identity: Option<String>,
     lease_owner: String,
@@ -122,6 +123,9 @@ impl TryFrom<ClaimRow> for ClaimedStep {
                 final_grace: ms(r.final_grace_ms),
                 adapter_timeout: ms(r.adapter_timeout_ms),
                 max_attempts: u32::try_from(r.max_attempts).unwrap_or(1),
+                schedule_to_start: r
+                    .schedule_to_start_ms
+                    .map_or(Duration::ZERO, |v| Duration::from_millis(v.max(0) as u64)),
             },
             request_identity,
             attempt_number: r.attempts_made,
@@ -237,7 +241,7 @@ macro_rules! claim_sql {
              )
              SELECT l.id, l.workflow_id, l.name, l.adapter, l.operation, l.input,
                     l.input_digest, l.lease_ms, l.renew_every_ms, l.attempt_deadline_ms,
-                    l.final_grace_ms, l.adapter_timeout_ms, l.max_attempts,
+                    l.final_grace_ms, l.adapter_timeout_ms, l.schedule_to_start_ms, l.max_attempts,
                     l.request_identity, l.lease_owner, l.lease_version,
                     l.current_attempt_id, l.attempts_made, l.checkpoint_version, l.leased_at,
                     l.expires_at, l.attempt_deadline, w.deadline AS workflow_deadline,
@@ -974,6 +978,8 @@ async fn release_dependents(conn: &mut PgConnection, workflow: Uuid, step: Uuid)
         "UPDATE steps s
          SET pending_deps = s.pending_deps - 1,
              state = CASE WHEN s.pending_deps = 1 THEN 'ready'::step_state ELSE s.state END,
+             start_by = CASE WHEN s.pending_deps = 1
+                             THEN now() + s.schedule_to_start_ms * interval '1 millisecond' END,
              next_eligible_at = now(), updated_at = now()
          FROM step_dependencies d
          WHERE d.depends_on = $1 AND d.step_id = s.id AND s.state = 'blocked'

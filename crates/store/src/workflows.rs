@@ -415,6 +415,8 @@ impl Store {
                     "attempt_deadline_ms": millis(policy.attempt_deadline),
                     "final_grace_ms": millis(policy.final_grace),
                     "adapter_timeout_ms": millis(policy.adapter_timeout),
+                    "schedule_to_start_ms": (!policy.schedule_to_start.is_zero())
+                        .then(|| millis(policy.schedule_to_start)),
                     "max_attempts": policy.max_attempts,
                     "state": submitted_state(s).as_str(),
                     "pending_deps": s.depends_on.len(),
@@ -438,17 +440,20 @@ impl Store {
              ), s AS (
                  INSERT INTO steps (id, workflow_id, name, position, adapter, operation, input,
                      input_digest, lease_ms, renew_every_ms, attempt_deadline_ms, final_grace_ms,
-                     adapter_timeout_ms, max_attempts, state, pending_deps)
+                     adapter_timeout_ms, max_attempts, state, pending_deps, schedule_to_start_ms,
+                     start_by)
                  SELECT x.id, w.id, x.name, x.position, x.adapter, x.operation, x.input,
                      x.input_digest, x.lease_ms, x.renew_every_ms, x.attempt_deadline_ms,
                      x.final_grace_ms, x.adapter_timeout_ms, x.max_attempts,
-                     x.state::step_state, x.pending_deps
+                     x.state::step_state, x.pending_deps, x.schedule_to_start_ms,
+                     CASE WHEN x.state = 'ready'
+                          THEN now() + x.schedule_to_start_ms * interval '1 millisecond' END
                  FROM jsonb_to_recordset($7) AS x(workflow_id uuid, id uuid, name text,
                      position integer, adapter text, operation text, input jsonb,
                      input_digest text, lease_ms integer, renew_every_ms integer,
                      attempt_deadline_ms integer, final_grace_ms integer,
                      adapter_timeout_ms integer, max_attempts integer,
-                     state text, pending_deps integer)
+                     state text, pending_deps integer, schedule_to_start_ms bigint)
                  JOIN w ON w.id = x.workflow_id
              ), d AS (
                  INSERT INTO step_dependencies (step_id, depends_on)
@@ -576,6 +581,98 @@ impl Store {
         .await?;
         tx.commit().await?;
         Ok(ids.into_iter().map(WorkflowId::from_uuid).collect())
+    }
+
+    /// Ready steps whose schedule-to-start deadline has passed (PostgreSQL time), oldest
+    /// deadline first, through the partial index `steps_start_by`.
+    pub async fn steps_past_start_by(&self, limit: i64) -> Result<Vec<StepId>> {
+        let mut tx = self.begin_walking_indexes(false).await?;
+        let ids: Vec<Uuid> = sqlx::query_scalar(
+            "SELECT id FROM steps
+             WHERE state = 'ready' AND start_by IS NOT NULL AND start_by <= now()
+             ORDER BY start_by LIMIT $1",
+        )
+        .bind(limit)
+        .fetch_all(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(ids.into_iter().map(StepId::from_uuid).collect())
+    }
+
+    /// Ends a step that waited, ready, past its schedule-to-start deadline. Nothing was sent,
+    /// so it fails, with the reason in its history, and its workflow fails with it (its steps
+    /// not started stop; one that may have sent goes to review). A step one of whose attempts
+    /// may have sent is not failed: its deadline was met once, and it is cleared. Returns
+    /// whether the step failed; `false` also when it was claimed meanwhile.
+    pub async fn fail_unstarted(&self, step: StepId) -> Result<bool> {
+        let mut tx = self.begin().await?;
+        // the workflow first, then the step, in the order a cancellation locks them
+        let workflow: Option<Uuid> =
+            sqlx::query_scalar("SELECT workflow_id FROM steps WHERE id = $1")
+                .bind(step.as_uuid())
+                .fetch_optional(&mut *tx)
+                .await?;
+        let Some(workflow) = workflow else {
+            return Err(StoreError::NotFound { what: "step" });
+        };
+        let workflow_state: String =
+            sqlx::query_scalar("SELECT state::text FROM workflows WHERE id = $1 FOR NO KEY UPDATE")
+                .bind(workflow)
+                .fetch_one(&mut *tx)
+                .await?;
+        let due: Option<(i64, Option<i64>, bool)> = sqlx::query_as(
+            "SELECT lease_version, schedule_to_start_ms, z29c_may_have_sent(id) FROM steps
+             WHERE id = $1 AND state = 'ready' AND start_by <= now()
+             FOR UPDATE",
+        )
+        .bind(step.as_uuid())
+        .fetch_optional(&mut *tx)
+        .await?;
+        let Some((lease_version, limit_ms, may_have_sent)) = due else {
+            return Ok(false);
+        };
+        if may_have_sent {
+            sqlx::query("UPDATE steps SET start_by = NULL WHERE id = $1")
+                .bind(step.as_uuid())
+                .execute(&mut *tx)
+                .await?;
+            tx.commit().await?;
+            return Ok(false);
+        }
+        sqlx::query(
+            "UPDATE steps SET state = 'failed', start_by = NULL, updated_at = now() WHERE id = $1",
+        )
+        .bind(step.as_uuid())
+        .execute(&mut *tx)
+        .await?;
+        let reason = format!(
+            "not started within its schedule-to-start deadline ({} ms); nothing was sent",
+            limit_ms.unwrap_or_default()
+        );
+        crate::events::append(
+            &mut tx,
+            crate::events::NewEvent {
+                workflow,
+                step: step.as_uuid(),
+                attempt: None,
+                lease_version,
+                owner: None,
+                kind: crate::events::EventKind::FailedByPolicy,
+                detail: json!({ "reason": reason, "schedule_to_start_ms": limit_ms }),
+            },
+        )
+        .await?;
+        if parse::<WorkflowState>(&workflow_state)? == WorkflowState::Running {
+            crate::ending::end_workflow(&mut tx, workflow, WorkflowState::Failed).await?;
+            crate::ending::stop_unstarted_steps(
+                &mut tx,
+                workflow,
+                "a step was not started within its schedule-to-start deadline",
+            )
+            .await?;
+        }
+        tx.commit().await?;
+        Ok(true)
     }
 
     /// Cancels a running workflow. Steps not yet started are cancelled; a step whose last

@@ -242,13 +242,22 @@ async fn renewal_stops_being_granted_before_the_attempt_deadline(pool: PgPool) {
     submit(&store, &wf).await;
     let c = store.claim(&owner("worker-a"), 1).await.unwrap().remove(0);
     let v = c.checkpoint_version;
-    tokio::time::sleep(Duration::from_millis(700)).await;
     let renewed = store.renew(&c.lease, v).await.unwrap();
     assert!(
         renewed.expires_at <= c.attempt_deadline,
         "a granted expiry never passes the attempt deadline"
     );
-    tokio::time::sleep(Duration::from_millis(800)).await; // 1.5 s in: inside the final grace
+    // the attempt deadline comes inside the final grace while the lease has seconds left,
+    // set on PostgreSQL's clock, so no load on the machine moves either
+    sqlx::query(
+        "UPDATE steps SET attempt_deadline = now() + interval '300 milliseconds',
+                          expires_at = now() + interval '30 seconds'
+         WHERE id = $1",
+    )
+    .bind(c.lease.step.as_uuid())
+    .execute(&pool)
+    .await
+    .unwrap();
     assert_eq!(
         fenced(store.renew(&c.lease, v).await),
         FenceReason::AttemptDeadlineReached

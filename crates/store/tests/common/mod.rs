@@ -108,6 +108,7 @@ pub fn short_policy() -> LeasePolicy {
         final_grace: Duration::from_millis(600),
         adapter_timeout: Duration::from_millis(500),
         max_attempts: 3,
+        schedule_to_start: Duration::ZERO,
     }
 }
 
