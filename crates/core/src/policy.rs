@@ -48,7 +48,14 @@ pub struct LeasePolicy {
     pub max_attempts: u32,
     /// How long the step may wait, once ready, for an attempt to start its call; zero: no
     /// limit. Past it nothing was sent, so the step fails with that reason.
-    #[serde(rename = "schedule_to_start_ms", with = "millis", default)]
+    /// Left out of the serialized policy when zero, so the digest of a submission that does
+    /// not set it is what it was before the field existed.
+    #[serde(
+        rename = "schedule_to_start_ms",
+        with = "millis",
+        default,
+        skip_serializing_if = "Duration::is_zero"
+    )]
     pub schedule_to_start: Duration,
 }
 
