@@ -21,7 +21,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use tokio_util::sync::CancellationToken;
-use z29c_bus::{AdapterRecord, Bus, GatewayRecord};
+use z29c_bus::{AdapterRecord, GatewayRecord};
 use z29c_proto::v1::adapter_gateway_server::AdapterGatewayServer;
 use z29c_store::Store;
 use z29c_store::invocations::InvocationPath;
@@ -49,9 +49,7 @@ pub async fn run(
         tracing::warn!(%point, "fault: crash point armed");
         z29c_store::faults::arm(point);
     }
-    let store = Store::connect(config.shared.database_url.expose(), config.max_connections)
-        .await
-        .context("connect to PostgreSQL")?;
+    let store = config.shared.store(config.max_connections).await?;
     for a in &config.adapters {
         for (class, limit) in &a.limits {
             store
@@ -76,13 +74,7 @@ pub async fn run(
             tracing::warn!(adapter = %a.name, permits = orphaned, "calls of an earlier run of this gateway ended with it; their outcome is unknown");
         }
     }
-    let bus = Bus::connect_with(
-        &config.shared.nats_url,
-        &config.shared.prefix,
-        &config.shared.nats_tls,
-    )
-    .await
-    .context("connect to NATS")?;
+    let bus = config.shared.bus().await?;
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .with_context(|| format!("bind {}", config.listen))?;

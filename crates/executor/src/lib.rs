@@ -65,16 +65,8 @@ pub async fn run(config: ExecutorConfig, shutdown: CancellationToken) -> anyhow:
             z29c_store::faults::break_receipt_fencing();
         }
     }
-    let store = Store::connect(config.shared.database_url.expose(), config.max_connections)
-        .await
-        .context("connect to PostgreSQL")?;
-    let bus = Bus::connect_with(
-        &config.shared.nats_url,
-        &config.shared.prefix,
-        &config.shared.nats_tls,
-    )
-    .await
-    .context("connect to NATS")?;
+    let store = config.shared.store(config.max_connections).await?;
+    let bus = config.shared.bus().await?;
     if let Some(addr) = config.health_listen {
         z29c_runtime::serve_plain_health(
             addr,

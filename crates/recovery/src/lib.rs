@@ -19,9 +19,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use tokio_util::sync::CancellationToken;
-use z29c_bus::Bus;
 use z29c_core::OwnerId;
-use z29c_store::Store;
 
 pub use config::RecoveryConfig;
 
@@ -33,16 +31,8 @@ pub async fn run(
     ready: Option<tokio::sync::oneshot::Sender<std::net::SocketAddr>>,
 ) -> anyhow::Result<()> {
     let owner = OwnerId::parse(config.id.clone()).context("recovery id")?;
-    let store = Store::connect(config.shared.database_url.expose(), config.max_connections)
-        .await
-        .context("connect to PostgreSQL")?;
-    let bus = Bus::connect_with(
-        &config.shared.nats_url,
-        &config.shared.prefix,
-        &config.shared.nats_tls,
-    )
-    .await
-    .context("connect to NATS")?;
+    let store = config.shared.store(config.max_connections).await?;
+    let bus = config.shared.bus().await?;
     let health = z29c_runtime::health(
         "z29c.v1.ReviewService",
         config.health_listen,

@@ -46,6 +46,24 @@ impl Default for SharedConfig {
     }
 }
 
+impl SharedConfig {
+    /// The service's pool of at most `max_connections` to PostgreSQL.
+    pub async fn store(&self, max_connections: u32) -> anyhow::Result<z29c_store::Store> {
+        use anyhow::Context;
+        z29c_store::Store::connect(self.database_url.expose(), max_connections)
+            .await
+            .context("connect to PostgreSQL")
+    }
+
+    /// The service's connection to NATS, under the deployment's prefix.
+    pub async fn bus(&self) -> anyhow::Result<z29c_bus::Bus> {
+        use anyhow::Context;
+        z29c_bus::Bus::connect_with(&self.nats_url, &self.prefix, &self.nats_tls)
+            .await
+            .context("connect to NATS")
+    }
+}
+
 /// A configuration value no service can run with, naming its field.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("invalid configuration: {field}: {reason}")]

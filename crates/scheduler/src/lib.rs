@@ -21,7 +21,6 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use tokio_util::sync::CancellationToken;
-use z29c_bus::Bus;
 use z29c_proto::v1::workflow_service_server::WorkflowServiceServer;
 use z29c_store::Store;
 
@@ -37,19 +36,11 @@ pub async fn run(
         z29c_telemetry::serve_prometheus(addr).context("serve /metrics")?;
         z29c_telemetry::zero_counters(&[z29c_telemetry::WORKFLOW_SUBMISSIONS]);
     }
-    let store = Store::connect(config.shared.database_url.expose(), config.max_connections)
-        .await
-        .context("connect to PostgreSQL")?;
+    let store = config.shared.store(config.max_connections).await?;
     if config.migrate {
         store.migrate().await.context("apply migrations")?;
     }
-    let bus = Bus::connect_with(
-        &config.shared.nats_url,
-        &config.shared.prefix,
-        &config.shared.nats_tls,
-    )
-    .await
-    .context("connect to NATS")?;
+    let bus = config.shared.bus().await?;
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .with_context(|| format!("bind {}", config.listen))?;
