@@ -338,7 +338,7 @@ impl Run {
         let mut req = chain(key, route, steps);
         for s in &mut req.steps {
             s.adapter = adapter.to_owned();
-            s.policy = Some(policy);
+            s.policy = Some(policy.clone());
         }
         if let Some(ms) = deadline_ms {
             let at = chrono::Utc::now() + chrono::Duration::milliseconds(ms);
@@ -1077,7 +1077,7 @@ async fn drive(
             let mut p = policy();
             p.max_attempts = 3;
             for i in 0..4 {
-                run.submit(&format!("poison-{i}"), &target, "poison", 1, p, None)
+                run.submit(&format!("poison-{i}"), &target, "poison", 1, p.clone(), None)
                     .await?;
                 run.allowance += 1;
             }

@@ -5,7 +5,7 @@
 //! may have reached the service without an answer (timeout, reset, 5xx, a 409 for a request
 //! still in flight) is *unknown*.
 
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use serde_json::Value;
 
@@ -64,11 +64,19 @@ async fn read_bounded(mut resp: reqwest::Response) -> Result<String, String> {
     }
 }
 
-/// `Retry-After` in seconds; 1 s when absent or not a number of seconds.
-fn retry_after(value: Option<&str>) -> Duration {
-    value
-        .and_then(|v| v.trim().parse::<u64>().ok())
-        .map_or(DEFAULT_RETRY_AFTER, Duration::from_secs)
+/// `Retry-After` as a number of seconds or as an HTTP date (RFC 9110 §10.2.3), a date read
+/// against `now`: one already past asks for no wait. 1 s when absent or neither.
+fn retry_after(value: Option<&str>, now: SystemTime) -> Duration {
+    let Some(v) = value.map(str::trim) else {
+        return DEFAULT_RETRY_AFTER;
+    };
+    if let Ok(seconds) = v.parse::<u64>() {
+        return Duration::from_secs(seconds);
+    }
+    match httpdate::parse_http_date(v) {
+        Ok(at) => at.duration_since(now).unwrap_or(Duration::ZERO),
+        Err(_) => DEFAULT_RETRY_AFTER,
+    }
 }
 
 /// What an answer's status settles before its body is read: a rate limit (with its
@@ -77,7 +85,7 @@ fn retry_after(value: Option<&str>) -> Duration {
 fn settled_by_status(status: u16, retry_after_header: Option<&str>) -> Option<CallOutcome> {
     if status == 429 {
         return Some(CallOutcome::RateLimited {
-            retry_after: retry_after(retry_after_header),
+            retry_after: retry_after(retry_after_header, SystemTime::now()),
         });
     }
     if (500..600).contains(&status) {
@@ -257,6 +265,24 @@ mod tests {
                 }),
                 "{header:?}"
             );
+        }
+    }
+
+    #[test]
+    fn a_retry_after_may_be_an_http_date() {
+        let now = httpdate::parse_http_date("Sun, 06 Dec 2026 10:00:00 GMT").unwrap();
+        let cases = [
+            (Some("Sun, 06 Dec 2026 10:00:30 GMT"), 30_000),
+            (Some("Sun, 06 Dec 2026 11:00:00 GMT"), 3_600_000),
+            // already past: no wait
+            (Some("Sun, 06 Dec 2026 09:59:00 GMT"), 0),
+            (Some("Sunday, 06-Dec-26 10:00:05 GMT"), 5_000),
+            (Some("Sun Dec  6 10:00:07 2026"), 7_000),
+            (Some("Sun, 06 Dec 2026 25:00:00 GMT"), 1_000),
+            (Some("120"), 120_000),
+        ];
+        for (header, ms) in cases {
+            assert_eq!(retry_after(header, now), Duration::from_millis(ms), "{header:?}");
         }
     }
 

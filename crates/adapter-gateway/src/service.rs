@@ -30,6 +30,9 @@ use crate::http::{self, CallOutcome, QueryOutcome};
 const DEFAULT_CALL: Duration = Duration::from_secs(10);
 /// A call with less time than this left is not sent at all (nothing sent, retry later).
 const MIN_CALL: Duration = Duration::from_millis(20);
+/// The operation class of status queries: their permits count against its own limit (an
+/// adapter's `limits.status_query`, or its `default_limit`), apart from the calls'.
+pub const STATUS_CLASS: &str = "status_query";
 /// When the permits are all taken, come back after this.
 const PERMIT_RETRY: Duration = Duration::from_millis(200);
 
@@ -229,6 +232,7 @@ fn turned_away(adapter: &AdapterConfig, result: &'static str) -> Response<Invoke
     Response::new(InvokeResponse {
         outcome: Some(invoke_response::Outcome::RateLimited(pb::RateLimited {
             retry_after_ms: PERMIT_RETRY.as_millis() as u64,
+            reason: result.into(),
         })),
         adapter_version: adapter.version.clone(),
     })
@@ -350,6 +354,7 @@ impl Gateway {
                 Some("rate_limited"),
                 invoke_response::Outcome::RateLimited(pb::RateLimited {
                     retry_after_ms: retry_after.as_millis() as u64,
+                    reason: "rate_limited".into(),
                 }),
             ),
             CallOutcome::NotSent { reason } => {
@@ -358,6 +363,7 @@ impl Gateway {
                     Some("not_sent"),
                     invoke_response::Outcome::RateLimited(pb::RateLimited {
                         retry_after_ms: 1_000,
+                        reason: "not_sent".into(),
                     }),
                 )
             }
@@ -539,14 +545,37 @@ impl AdapterGateway for Gateway {
             }
             let identity = RequestIdentity::parse(req.request_identity)
                 .map_err(|e| Status::invalid_argument(format!("request_identity: {}", e.reason)))?;
-            let status = match http::query(
-                &self.client,
-                &adapter.base_url,
-                identity.as_str(),
-                timeout,
-            )
-            .await
+            // a status query loads the destination as a call does: it takes a permit, of its
+            // own operation class, so queries are bounded and never take a call's place
+            let permit_req = PermitRequest {
+                adapter: &adapter.name,
+                operation_class: STATUS_CLASS,
+                attempt: None,
+                request_identity: &identity,
+                gateway: &self.config.id,
+                hold: timeout + ANSWER_RESERVE,
+            };
+            let permit = match self
+                .take_permit(adapter, None, &permit_req, Ended::default())
+                .await?
             {
+                Taken::Permit(p) => p,
+                Taken::Exhausted | Taken::NotBegun(_) => {
+                    let reason = format!(
+                        "no permit free for a status query (operation class {STATUS_CLASS:?} of adapter {:?} at its limit)",
+                        adapter.name
+                    );
+                    return Ok(Response::new(QueryResponse {
+                        status: Some(query_response::Status::Unknown(pb::Unknown { reason })),
+                    }));
+                }
+            };
+            let answer = http::query(&self.client, &adapter.base_url, identity.as_str(), timeout).await;
+            if let Err(e) = self.store.release_permit(permit.id, "queried").await {
+                // it stops counting when its hold runs out
+                tracing::warn!(error = %e, permit = %permit.id, "status query permit release failed");
+            }
+            let status = match answer {
                 QueryOutcome::Found { reference, result } => {
                     query_response::Status::Found(pb::Succeeded {
                         external_reference: reference,

@@ -11,6 +11,7 @@
 //! - [`state`]: workflow, step and attempt states, receipts' outcome and verification method.
 //! - [`capability`]: what an adapter promises (idempotent, queryable, opaque).
 //! - [`policy`]: `LeasePolicy` validated against `PlatformBounds`, and the four deadlines.
+//! - [`retry`]: `RetryPolicy`: backoff, retryable refusals, and the budget for waiting.
 //! - [`fence`]: the fencing rule every write under a lease must pass.
 //! - [`recovery`]: `classify()`, the recovery table of docs/design.md §5.
 //! - [`projection`]: `project()`, durable state to the product states people see.
@@ -28,6 +29,7 @@ pub mod maintenance;
 pub mod policy;
 pub mod projection;
 pub mod recovery;
+pub mod retry;
 pub mod state;
 mod text_enum;
 
@@ -43,6 +45,7 @@ pub use ids::{
 pub use policy::{Deadlines, LeasePolicy, PlatformBounds, PolicyError, RenewalDecision};
 pub use projection::{ProductState, StepFacts, project, project_workflow};
 pub use recovery::{Evidence, RecoveryCategory, RecoveryDecision, classify};
+pub use retry::{AfterRefusal, AfterWait, RetryPolicy, StatusSet, Waited};
 pub use state::{AttemptState, Outcome, StepState, Verification, WorkflowState};
 
 /// Error for a value that did not parse into one of z29c's domain types.

@@ -5,10 +5,10 @@
 
 use std::time::Duration;
 
-use backon::BackoffBuilder;
-
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
+
+use crate::retry::RetryPolicy;
 
 /// A policy field outside platform bounds, named so a client can fix its input.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -19,7 +19,7 @@ pub struct PolicyError {
     pub reason: String,
 }
 
-fn err(field: &'static str, reason: impl Into<String>) -> PolicyError {
+pub(crate) fn err(field: &'static str, reason: impl Into<String>) -> PolicyError {
     PolicyError {
         field,
         reason: reason.into(),
@@ -57,6 +57,9 @@ pub struct LeasePolicy {
         skip_serializing_if = "Duration::is_zero"
     )]
     pub schedule_to_start: Duration,
+    /// Backoff, retryable refusals and the waiting budget (each field left out when default).
+    #[serde(flatten)]
+    pub retry: RetryPolicy,
 }
 
 impl Default for LeasePolicy {
@@ -69,30 +72,9 @@ impl Default for LeasePolicy {
             adapter_timeout: Duration::from_secs(10),
             max_attempts: 5,
             schedule_to_start: Duration::ZERO,
+            retry: RetryPolicy::default(),
         }
     }
-}
-
-/// The first automatic retry waits at least this long; jitter adds up to as much again.
-pub const RETRY_BASE: Duration = Duration::from_millis(250);
-/// No automatic retry waits longer than this.
-pub const RETRY_CAP: Duration = Duration::from_secs(30);
-
-/// How long a step waits before the retry that follows its `attempts_made`-th attempt:
-/// exponential from [`RETRY_BASE`], doubling, with jitter in `[d, 2d)`, never above
-/// [`RETRY_CAP`]. A storm of failing steps spreads out instead of retrying in lockstep, and the
-/// step's `max_attempts` ends it (in review when the outcome is unknown).
-pub fn retry_delay(attempts_made: u32) -> Duration {
-    backon::ExponentialBuilder::new()
-        .with_min_delay(RETRY_BASE)
-        .with_max_delay(RETRY_CAP / 2)
-        .with_factor(2.0)
-        .with_jitter()
-        .without_max_times()
-        .build()
-        .nth(attempts_made.saturating_sub(1) as usize)
-        .unwrap_or(RETRY_CAP)
-        .min(RETRY_CAP)
 }
 
 /// How a service waits for a server it needs (PostgreSQL, NATS) that is not up yet: from
@@ -121,6 +103,12 @@ pub struct PlatformBounds {
     pub max_attempts: u32,
     #[serde(with = "millis")]
     pub max_schedule_to_start: Duration,
+    /// The longest backoff a step may ask for between attempts.
+    #[serde(with = "millis")]
+    pub max_backoff: Duration,
+    /// The longest a step may wait in all without sending (its `max_wait_ms`).
+    #[serde(with = "millis")]
+    pub max_wait: Duration,
 }
 
 impl Default for PlatformBounds {
@@ -132,6 +120,8 @@ impl Default for PlatformBounds {
             max_final_grace: Duration::from_secs(60),
             max_attempts: 100,
             max_schedule_to_start: Duration::from_secs(7 * 24 * 3600),
+            max_backoff: Duration::from_secs(3600),
+            max_wait: Duration::from_secs(7 * 24 * 3600),
         }
     }
 }
@@ -235,7 +225,7 @@ impl LeasePolicy {
                 ),
             ));
         }
-        Ok(())
+        self.retry.validate(bounds)
     }
 
     /// Whether PostgreSQL should grant a renewal at `now` (its clock, never a worker's) for an
@@ -547,25 +537,5 @@ mod tests {
                 "attempt {attempt_left:?}, workflow {workflow_left:?}"
             );
         }
-    }
-
-    #[test]
-    fn retry_delays_grow_capped_with_jitter() {
-        for n in 1..=40u32 {
-            let exp = RETRY_BASE.saturating_mul(1u32 << (n - 1).min(20));
-            let floor = exp.min(RETRY_CAP / 2);
-            let samples: Vec<Duration> = (0..30).map(|_| retry_delay(n)).collect();
-            for d in &samples {
-                assert!(*d >= floor, "attempt {n}: {d:?} below {floor:?}");
-                assert!(*d < floor * 2 || *d == RETRY_CAP, "attempt {n}: {d:?}");
-                assert!(*d <= RETRY_CAP, "attempt {n}: {d:?} above the cap");
-            }
-            let distinct: std::collections::BTreeSet<_> = samples.iter().collect();
-            assert!(distinct.len() > 1, "attempt {n}: no jitter in {samples:?}");
-        }
-        assert!(
-            retry_delay(0) >= RETRY_BASE,
-            "attempt 0 counts as the first"
-        );
     }
 }

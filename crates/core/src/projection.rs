@@ -77,7 +77,7 @@ pub fn project(f: &StepFacts) -> ProductState {
         Some(Outcome::Failed) => return P::Failed,
         None => {}
     }
-    let invoked = f.checkpoint.is_some_and(Checkpoint::may_have_invoked);
+    let invoked = AttemptState::may_have_sent(f.checkpoint, f.last_attempt);
     match f.state {
         StepState::NeedsReview => P::NeedsReview,
         // terminal without a receipt: only honest when nothing can have been sent
@@ -132,7 +132,8 @@ pub fn project_workflow(
 pub enum Happening {
     /// An invocation may have begun (checkpoint `invocation_began`).
     Invoked,
-    /// The adapter said "not now": the step waits for its turn.
+    /// The adapter said "not now", or refused in a way the step's policy retries: the step
+    /// waits for its turn.
     RateLimited,
     /// The worker's lease ended without a result (expired, or taken by recovery).
     LeaseLost,
@@ -147,7 +148,7 @@ impl Happening {
     pub fn of_event(kind: &str, checkpoint: Option<&str>) -> Self {
         match (kind, checkpoint) {
             ("checkpoint", Some("invocation_began")) => Self::Invoked,
-            ("rate_limited", _) => Self::RateLimited,
+            ("rate_limited" | "retry_scheduled", _) => Self::RateLimited,
             ("lease_expired" | "recovery_lease_acquired", _) => Self::LeaseLost,
             ("review_opened", _) => Self::ReviewOpened,
             _ => Self::Churn,
@@ -265,6 +266,7 @@ mod tests {
         );
         assert_eq!(H::of_event("checkpoint", Some("attempt_created")), H::Churn);
         assert_eq!(H::of_event("rate_limited", None), H::RateLimited);
+        assert_eq!(H::of_event("retry_scheduled", None), H::RateLimited);
         assert_eq!(H::of_event("lease_expired", None), H::LeaseLost);
         assert_eq!(H::of_event("recovery_lease_acquired", None), H::LeaseLost);
         assert_eq!(H::of_event("review_opened", None), H::ReviewOpened);
@@ -328,7 +330,7 @@ mod tests {
     #[test]
     fn an_unknown_outcome_never_reads_as_finished_or_not_started() {
         for f in all_facts() {
-            let invoked = f.checkpoint.is_some_and(Checkpoint::may_have_invoked);
+            let invoked = AttemptState::may_have_sent(f.checkpoint, f.last_attempt);
             if invoked && f.receipt.is_none() {
                 let p = project(&f);
                 assert!(
@@ -350,7 +352,7 @@ mod tests {
     #[test]
     fn a_takeover_before_invocation_is_invisible() {
         for f in all_facts() {
-            let invoked = f.checkpoint.is_some_and(Checkpoint::may_have_invoked);
+            let invoked = AttemptState::may_have_sent(f.checkpoint, f.last_attempt);
             if !invoked && f.receipt.is_none() && f.state.holds_lease() {
                 assert_eq!(project(&f), ProductState::Preparing, "{f:?}");
             }
@@ -360,7 +362,7 @@ mod tests {
     #[test]
     fn every_combination_has_a_defined_state() {
         let all = all_facts();
-        assert_eq!(all.len(), 8 * 6 * 6 * 3 * 2 * 2);
+        assert_eq!(all.len(), 8 * 6 * 7 * 3 * 2 * 2);
         for f in all {
             let p = project(&f);
             let expected = match (f.receipt, f.state) {

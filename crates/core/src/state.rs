@@ -82,6 +82,20 @@ text_enum! {
         Released = "released",
         /// Its lease expired and recovery took over. What it did is known only from evidence.
         Expired = "expired",
+        /// Answered with a definite refusal its step's policy retries: nothing happened, and
+        /// the next attempt sends under the same request identity.
+        Refused = "refused",
+    }
+}
+
+impl AttemptState {
+    /// Whether an attempt that reached `checkpoint` and ended in `state` may have sent its
+    /// request: from *invocation began* on, unless it ended knowing nothing was done (given
+    /// back before sending, or refused outright). The database asks the same of every attempt
+    /// of a step (`z29c_attempt_may_have_sent`).
+    pub fn may_have_sent(checkpoint: Option<Checkpoint>, state: Option<AttemptState>) -> bool {
+        checkpoint.is_some_and(Checkpoint::may_have_invoked)
+            && !matches!(state, Some(AttemptState::Released | AttemptState::Refused))
     }
 }
 
@@ -110,6 +124,26 @@ text_enum! {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_attempt_may_have_sent_from_invocation_unless_it_ended_knowing_nothing_was_done() {
+        use AttemptState as A;
+        use Checkpoint as C;
+        let cases = [
+            (None, Some(A::Expired), false),
+            (Some(C::RequestIdentityPersisted), Some(A::Expired), false),
+            (Some(C::InvocationBegan), None, true),
+            (Some(C::InvocationBegan), Some(A::Active), true),
+            (Some(C::InvocationBegan), Some(A::Expired), true),
+            (Some(C::InvocationBegan), Some(A::Released), false),
+            (Some(C::ResponseObserved), Some(A::Refused), false),
+            (Some(C::ReceiptCommitted), Some(A::Failed), true),
+            (Some(C::ReceiptCommitted), Some(A::Succeeded), true),
+        ];
+        for (c, s, sent) in cases {
+            assert_eq!(AttemptState::may_have_sent(c, s), sent, "{c:?} {s:?}");
+        }
+    }
 
     #[test]
     fn running_workflow_permits_every_checkpoint() {

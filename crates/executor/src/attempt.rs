@@ -9,7 +9,9 @@ use serde_json::Value;
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
-use z29c_core::{Checkpoint, Deadlines, ExternalReference, FenceReason, Outcome};
+use z29c_core::{
+    AfterRefusal, AfterWait, Checkpoint, Deadlines, ExternalReference, FenceReason, Outcome,
+};
 use z29c_proto::v1::{InvokeRequest, invoke_response};
 use z29c_store::faults::{CrashPoint, crash_if_armed};
 use z29c_store::leases::{ClaimedStep, CommitOutcome, Observed};
@@ -167,8 +169,9 @@ async fn attempt(
     let Some(gateway) = ctx.gateways.for_adapter(&step.adapter).await else {
         tracing::warn!(adapter = %step.adapter, "no gateway serves this adapter; giving the step back");
         return store
-            .release_rate_limited(lease, Duration::from_secs(2))
-            .await;
+            .release_rate_limited(lease, Duration::from_secs(2), "no gateway serves the adapter")
+            .await
+            .map(waited);
     };
     let Some(budget) = deadlines(step, claimed_at).call_budget() else {
         tracing::warn!(
@@ -278,14 +281,27 @@ async fn attempt(
             report(ctx.receipts.commit_or_keep_late(&step.lease, &o).await?);
         }
         Some(invoke_response::Outcome::Rejected(r)) => {
+            let status = u16::try_from(r.status).unwrap_or(0);
+            if step.policy.retry.retryable_statuses.contains(status)
+                && let AfterRefusal::Retry { after } =
+                    store.retry_refused(lease, status, &r.reason).await?
+            {
+                tracing::info!(step = %lease.step, status, after_ms = after.as_millis() as u64, "refused with a status the policy retries; trying again under the same request identity");
+                return Ok(());
+            }
             let result = serde_json::json!({ "status": r.status, "reason": r.reason });
             let o = observed(Outcome::Failed, None, result);
             report(ctx.receipts.commit_or_keep_late(&step.lease, &o).await?);
         }
         Some(invoke_response::Outcome::RateLimited(r)) => {
             store
-                .release_rate_limited(lease, Duration::from_millis(r.retry_after_ms))
-                .await?;
+                .release_rate_limited(
+                    lease,
+                    Duration::from_millis(r.retry_after_ms),
+                    if r.reason.is_empty() { "rate_limited" } else { &r.reason },
+                )
+                .await
+                .map(waited)?;
         }
         Some(invoke_response::Outcome::NotBegun(n)) => {
             // the gateway's fence refused *invocation began*: nothing was sent
@@ -308,6 +324,15 @@ async fn attempt(
         }
     }
     Ok(())
+}
+
+/// Logs a wait that ended its step (its budget spent); the history says why.
+fn waited(after: AfterWait) {
+    match after {
+        AfterWait::Wait => {}
+        AfterWait::Fail(reason) => tracing::warn!(%reason, "the step waited past its budget and failed"),
+        AfterWait::Review(reason) => tracing::warn!(%reason, "the step waited past its budget and goes to review"),
+    }
 }
 
 fn report(outcome: CommitOutcome) {

@@ -32,7 +32,7 @@ pub struct StepFile {
     #[serde(default)]
     pub depends_on: Vec<String>,
     #[serde(default)]
-    pub policy: BTreeMap<String, u64>,
+    pub policy: BTreeMap<String, serde_json::Value>,
 }
 
 pub fn parse(text: &str) -> Result<WorkflowFile, WorkflowFileError> {
@@ -48,17 +48,39 @@ impl WorkflowFile {
         for (i, s) in self.steps.into_iter().enumerate() {
             let mut policy = pb::LeasePolicy::default();
             for (k, v) in s.policy {
+                let field = |what: &str| {
+                    WorkflowFileError(format!("steps[{i}].policy.{k}: {what}, not {v}"))
+                };
+                let millis = || v.as_u64().ok_or_else(|| field("a whole number of milliseconds"));
+                let count = || {
+                    v.as_u64()
+                        .and_then(|n| u32::try_from(n).ok())
+                        .ok_or_else(|| field("a whole number up to 4294967295"))
+                };
                 match k.as_str() {
-                    "lease_ms" => policy.lease_ms = v,
-                    "renew_every_ms" => policy.renew_every_ms = v,
-                    "attempt_deadline_ms" => policy.attempt_deadline_ms = v,
-                    "final_grace_ms" => policy.final_grace_ms = v,
-                    "adapter_timeout_ms" => policy.adapter_timeout_ms = v,
-                    "schedule_to_start_ms" => policy.schedule_to_start_ms = v,
-                    "max_attempts" => {
-                        policy.max_attempts = u32::try_from(v).map_err(|_| {
-                            WorkflowFileError(format!("steps[{i}].policy.max_attempts: too large"))
-                        })?
+                    "lease_ms" => policy.lease_ms = millis()?,
+                    "renew_every_ms" => policy.renew_every_ms = millis()?,
+                    "attempt_deadline_ms" => policy.attempt_deadline_ms = millis()?,
+                    "final_grace_ms" => policy.final_grace_ms = millis()?,
+                    "adapter_timeout_ms" => policy.adapter_timeout_ms = millis()?,
+                    "schedule_to_start_ms" => policy.schedule_to_start_ms = millis()?,
+                    "initial_backoff_ms" => policy.initial_backoff_ms = millis()?,
+                    "max_backoff_ms" => policy.max_backoff_ms = millis()?,
+                    "max_wait_ms" => policy.max_wait_ms = millis()?,
+                    "max_attempts" => policy.max_attempts = count()?,
+                    "max_waits" => policy.max_waits = count()?,
+                    "backoff_multiplier" => {
+                        policy.backoff_multiplier = v.as_f64().ok_or_else(|| field("a number"))?
+                    }
+                    "retryable_statuses" => {
+                        policy.retryable_statuses = v
+                            .as_array()
+                            .and_then(|a| {
+                                a.iter()
+                                    .map(|s| s.as_u64().and_then(|s| u32::try_from(s).ok()))
+                                    .collect::<Option<Vec<_>>>()
+                            })
+                            .ok_or_else(|| field("a list of HTTP statuses"))?
                     }
                     other => {
                         return Err(WorkflowFileError(format!(
@@ -108,5 +130,33 @@ mod tests {
         .unwrap();
         let e = wf.into_request().unwrap_err();
         assert!(e.to_string().contains("steps[0].policy.lease"), "{e}");
+    }
+
+    #[test]
+    fn retry_fields_are_read_with_their_types_and_a_wrong_type_is_named() {
+        let wf = parse(
+            "name: x\nsteps:\n- name: a\n  adapter: http\n  operation: o\n  policy:\n    max_attempts: 4\n    initial_backoff_ms: 100\n    backoff_multiplier: 1.5\n    retryable_statuses: [408, 425]\n    max_waits: 3\n    max_wait_ms: 60000\n",
+        )
+        .unwrap();
+        let req = wf.into_request().unwrap();
+        let p = req.steps[0].policy.as_ref().unwrap();
+        assert_eq!(
+            (p.max_attempts, p.initial_backoff_ms, p.backoff_multiplier),
+            (4, 100, 1.5)
+        );
+        assert_eq!(p.retryable_statuses, [408, 425]);
+        assert_eq!((p.max_waits, p.max_wait_ms), (3, 60_000));
+        for (line, named) in [
+            ("retryable_statuses: 408", "steps[0].policy.retryable_statuses"),
+            ("lease_ms: 1.5", "steps[0].policy.lease_ms"),
+            ("backoff_multiplier: fast", "steps[0].policy.backoff_multiplier"),
+        ] {
+            let wf = parse(&format!(
+                "name: x\nsteps:\n- {{name: a, adapter: http, operation: o, policy: {{{line}}}}}\n"
+            ))
+            .unwrap();
+            let e = wf.into_request().unwrap_err();
+            assert!(e.to_string().contains(named), "{e}");
+        }
     }
 }

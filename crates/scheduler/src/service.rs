@@ -12,7 +12,10 @@ use tracing::Instrument;
 use z29c_bus::gateways::Gateways;
 use z29c_bus::{Bus, GatewayRecord};
 use z29c_core::Action;
-use z29c_core::{ClientKey, LeasePolicy, ProductState, StepName, WorkflowId};
+use z29c_core::retry::Multiplier;
+use z29c_core::{
+    ClientKey, LeasePolicy, PolicyError, ProductState, RetryPolicy, StatusSet, StepName, WorkflowId,
+};
 use z29c_proto::v1::workflow_service_server::WorkflowService;
 use z29c_proto::v1::{self as pb};
 use z29c_runtime::{Guard, status_from_store};
@@ -79,9 +82,9 @@ pub fn product_to_wire(p: ProductState) -> pb::ProductState {
     }
 }
 
-fn policy_from_wire(p: Option<pb::LeasePolicy>) -> LeasePolicy {
+fn policy_from_wire(p: Option<pb::LeasePolicy>) -> Result<LeasePolicy, PolicyError> {
     let d = LeasePolicy::default();
-    let Some(p) = p else { return d };
+    let Some(p) = p else { return Ok(d) };
     let ms = |v: u64, default: Duration| {
         if v == 0 {
             default
@@ -89,7 +92,7 @@ fn policy_from_wire(p: Option<pb::LeasePolicy>) -> LeasePolicy {
             Duration::from_millis(v)
         }
     };
-    LeasePolicy {
+    Ok(LeasePolicy {
         lease: ms(p.lease_ms, d.lease),
         renew_every: ms(p.renew_every_ms, d.renew_every),
         attempt_deadline: ms(p.attempt_deadline_ms, d.attempt_deadline),
@@ -101,7 +104,19 @@ fn policy_from_wire(p: Option<pb::LeasePolicy>) -> LeasePolicy {
             p.max_attempts
         },
         schedule_to_start: Duration::from_millis(p.schedule_to_start_ms),
-    }
+        retry: RetryPolicy {
+            initial_backoff: ms(p.initial_backoff_ms, d.retry.initial_backoff),
+            max_backoff: ms(p.max_backoff_ms, d.retry.max_backoff),
+            backoff_multiplier: if p.backoff_multiplier == 0.0 {
+                d.retry.backoff_multiplier
+            } else {
+                Multiplier(p.backoff_multiplier)
+            },
+            retryable_statuses: StatusSet::parse(p.retryable_statuses)?,
+            max_waits: p.max_waits,
+            max_wait: ms(p.max_wait_ms, d.retry.max_wait),
+        },
+    })
 }
 
 /// Turns a submission into the store's form, naming the first bad field.
@@ -133,7 +148,8 @@ pub fn new_workflow(req: pb::SubmitRequest) -> Result<NewWorkflow, Status> {
             operation: s.operation,
             input,
             depends_on,
-            policy: policy_from_wire(s.policy),
+            policy: policy_from_wire(s.policy)
+                .map_err(|e| invalid(format!("steps[{i}].policy.{}", e.field), e.reason))?,
         });
     }
     let deadline = req
@@ -554,17 +570,29 @@ mod tests {
             nanos: 0,
         });
         assert_eq!(refused_field(far), "deadline");
+
+        let mut unretryable = step("a");
+        unretryable.policy = Some(pb::LeasePolicy {
+            retryable_statuses: vec![408, 503],
+            ..Default::default()
+        });
+        assert_eq!(
+            refused_field(submission(vec![step("b"), unretryable])),
+            "steps[1].policy.retryable_statuses"
+        );
     }
 
     #[test]
     fn a_policy_field_left_at_zero_takes_the_default() {
         let d = LeasePolicy::default();
-        assert_eq!(policy_from_wire(None), d);
+        assert_eq!(policy_from_wire(None).unwrap(), d);
         let p = policy_from_wire(Some(pb::LeasePolicy {
             lease_ms: 3_000,
             max_attempts: 0,
             ..Default::default()
-        }));
+        }))
+        .unwrap();
+        assert_eq!(p.retry, d.retry);
         assert_eq!(p.lease, Duration::from_millis(3_000));
         assert_eq!(p.max_attempts, d.max_attempts);
         assert_eq!(p.adapter_timeout, d.adapter_timeout);

@@ -185,6 +185,39 @@ pub(crate) async fn end_workflow(
     .await
 }
 
+/// Fails a step its policy ends (a deadline or a budget passed) when nothing it did may have
+/// taken effect, with `event` (its `failed_by_policy`, saying why) in its history; its
+/// workflow, if still running, fails with it, and the workflow's steps not started stop for
+/// `workflow_reason`. The caller holds the step's lock.
+pub(crate) async fn fail_by_policy(
+    conn: &mut PgConnection,
+    workflow: Uuid,
+    event: NewEvent<'_>,
+    workflow_reason: &str,
+) -> Result<()> {
+    let step = event.step;
+    let running: bool = sqlx::query_scalar(
+        "SELECT state = 'running' FROM workflows WHERE id = $1 FOR NO KEY UPDATE",
+    )
+    .bind(workflow)
+    .fetch_one(&mut *conn)
+    .await?;
+    sqlx::query(
+        "UPDATE steps SET state = 'failed', start_by = NULL, lease_owner = NULL,
+             leased_at = NULL, expires_at = NULL, updated_at = now()
+         WHERE id = $1",
+    )
+    .bind(step)
+    .execute(&mut *conn)
+    .await?;
+    events::append(conn, event).await?;
+    if running {
+        end_workflow(conn, workflow, WorkflowState::Failed).await?;
+        stop_unstarted_steps(conn, workflow, workflow_reason).await?;
+    }
+    Ok(())
+}
+
 /// Stops a finished workflow's steps that are not running. One that any of its attempts may
 /// have sent (`z29c_may_have_sent`) goes to review: its effect may exist.
 pub(crate) async fn stop_unstarted_steps(

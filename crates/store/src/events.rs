@@ -28,6 +28,7 @@ pub enum EventKind {
     DependenciesMet,
     Cancelled,
     FailedByPolicy,
+    RetryScheduled,
 }
 
 impl EventKind {
@@ -48,6 +49,7 @@ impl EventKind {
             Self::DependenciesMet => "dependencies_met",
             Self::Cancelled => "cancelled",
             Self::FailedByPolicy => "failed_by_policy",
+            Self::RetryScheduled => "retry_scheduled",
         }
     }
 }

@@ -12,7 +12,7 @@ use sqlx::{FromRow, PgConnection, Row};
 use uuid::Uuid;
 use z29c_core::fence::FencedWrite;
 use z29c_core::{
-    AttemptId, Checkpoint, ExternalReference, FenceReason, InputDigest, LeaseClaim, LeaseKind,
+    AfterRefusal, AfterWait, AttemptId, AttemptState, Checkpoint, StepState, Waited, ExternalReference, FenceReason, InputDigest, LeaseClaim, LeaseKind,
     LeasePolicy, LeaseVersion, Outcome, OwnerId, RenewalDecision, RequestIdentity, StepId,
     StepName, Verification, WorkflowId, WorkflowState,
 };
@@ -71,6 +71,7 @@ struct ClaimRow {
     adapter_timeout_ms: i32,
     schedule_to_start_ms: Option<i64>,
     max_attempts: i32,
+    retry_policy: Option<Value>,
     request_identity: Option<String>,
     lease_owner: String,
     lease_version: i64,
@@ -126,6 +127,7 @@ impl TryFrom<ClaimRow> for ClaimedStep {
                 schedule_to_start: r
                     .schedule_to_start_ms
                     .map_or(Duration::ZERO, |v| Duration::from_millis(v.max(0) as u64)),
+                retry: crate::retry_policy_from_row(r.retry_policy)?,
             },
             request_identity,
             attempt_number: r.attempts_made,
@@ -242,7 +244,7 @@ macro_rules! claim_sql {
              SELECT l.id, l.workflow_id, l.name, l.adapter, l.operation, l.input,
                     l.input_digest, l.lease_ms, l.renew_every_ms, l.attempt_deadline_ms,
                     l.final_grace_ms, l.adapter_timeout_ms, l.schedule_to_start_ms, l.max_attempts,
-                    l.request_identity, l.lease_owner, l.lease_version,
+                    l.retry_policy, l.request_identity, l.lease_owner, l.lease_version,
                     l.current_attempt_id, l.attempts_made, l.checkpoint_version, l.leased_at,
                     l.expires_at, l.attempt_deadline, w.deadline AS workflow_deadline,
                     now() AS db_now, w.trace_context
@@ -623,76 +625,166 @@ impl Store {
         Ok(id)
     }
 
-    /// Gives the step back after a rate-limit answer: no lease is held while it waits, and it
-    /// is claimable again at `now() + retry_after` (PostgreSQL time). Rate limiting is not
-    /// execution: the attempt is `released`, not failed.
+    /// Gives the step back after an answer that sent nothing (`why`: rate limited, no permit
+    /// free, no gateway for its adapter, not sent): no lease is held while it waits, and it is
+    /// claimable again at `now() + retry_after` (PostgreSQL time). Waiting is not execution:
+    /// the attempt is `released`, not failed. Each such wait counts against the step's budget
+    /// (`max_waits`, `max_wait_ms`); past it the step ends now ([`RetryPolicy::after_wait`]):
+    /// it fails, or goes to review when an earlier attempt may have sent.
     pub async fn release_rate_limited(
         &self,
         claim: &LeaseClaim,
         retry_after: Duration,
-    ) -> Result<()> {
-        self.release(claim, retry_after, EventKind::RateLimited, true)
-            .await
+        why: &str,
+    ) -> Result<AfterWait> {
+        self.release(claim, retry_after, Giving::Waiting { why }).await
     }
 
     /// Gives back a step whose invocation has not begun (graceful shutdown): it is ready again
     /// at once. After invocation began this is a conflict: only recovery may decide then.
     pub async fn release_unbegun(&self, claim: &LeaseClaim) -> Result<()> {
-        self.release(claim, Duration::ZERO, EventKind::LeaseReleased, false)
+        self.release(claim, Duration::ZERO, Giving::Unbegun)
             .await
+            .map(drop)
     }
 
-    async fn release(
+    /// After a definite refusal with `status` (`reason`, the destination's words): tries the
+    /// step again, under the same request identity, when its policy names the status and
+    /// attempts are left ([`RetryPolicy::after_refusal`], counting every attempt that was not
+    /// given back unsent). The attempt ends `refused`, the step is ready after the backoff.
+    /// [`AfterRefusal::Final`] changes nothing: the refusal is the step's outcome, and the
+    /// caller commits it as the receipt.
+    pub async fn retry_refused(
         &self,
         claim: &LeaseClaim,
-        delay: Duration,
-        kind: EventKind,
-        after_invocation_ok: bool,
-    ) -> Result<()> {
+        status: u16,
+        reason: &str,
+    ) -> Result<AfterRefusal> {
+        let mut tx = self.begin().await?;
+        fence::fence(&mut tx, claim, FencedWrite::Release).await?;
+        let (used, max_attempts, retry): (i64, i32, Option<Value>) = sqlx::query_as(
+            "SELECT (SELECT count(*) FROM attempts a
+                     WHERE a.step_id = s.id AND a.state <> 'released'),
+                    s.max_attempts, s.retry_policy
+             FROM steps s WHERE s.id = $1",
+        )
+        .bind(claim.step.as_uuid())
+        .fetch_one(&mut *tx)
+        .await?;
+        let policy = crate::retry_policy_from_row(retry)?;
+        let decision = policy.after_refusal(
+            status,
+            u32::try_from(used).unwrap_or(u32::MAX),
+            u32::try_from(max_attempts).unwrap_or(0),
+        );
+        drop(tx);
+        match decision {
+            AfterRefusal::Final => Ok(decision),
+            AfterRefusal::Retry { after } => {
+                self.release(claim, after, Giving::Refused { status, reason })
+                    .await?;
+                Ok(decision)
+            }
+        }
+    }
+
+    async fn release(&self, claim: &LeaseClaim, delay: Duration, giving: Giving<'_>) -> Result<AfterWait> {
         let mut tx = self.begin().await?;
         let held = fence::fence(&mut tx, claim, FencedWrite::Release).await?;
-        if !after_invocation_ok && held.checkpoint >= Some(Checkpoint::InvocationBegan) {
+        if matches!(giving, Giving::Unbegun) && held.checkpoint >= Some(Checkpoint::InvocationBegan)
+        {
             return Err(StoreError::Conflict(
                 "invocation began: the step can only be given to recovery".into(),
             ));
         }
-        sqlx::query("UPDATE attempts SET state = 'released', updated_at = now() WHERE id = $1")
+        let attempt_state = match giving {
+            Giving::Refused { .. } => AttemptState::Refused,
+            Giving::Unbegun | Giving::Waiting { .. } => AttemptState::Released,
+        };
+        sqlx::query("UPDATE attempts SET state = $2::attempt_state, updated_at = now() WHERE id = $1")
             .bind(claim.attempt.as_uuid())
+            .bind(attempt_state.as_str())
             .execute(&mut *tx)
             .await?;
         // the workflow's state as it is now, locked against a concurrent end (deadline,
-        // cancel), so a step is never made ready in a workflow that just ended; and whether
-        // any attempt of the step, this one now released, may have sent its request
-        let (workflow_state, may_have_sent): (String, bool) = sqlx::query_as(
-            "SELECT state::text, z29c_may_have_sent($2) FROM workflows WHERE id = $1 FOR SHARE",
+        // cancel), so a step is never made ready in a workflow that just ended; whether any
+        // attempt of the step, this one now released, may have sent its request; and what the
+        // step has waited so far
+        let (workflow_state, may_have_sent, waits, waited_ms, retry): (
+            String,
+            bool,
+            i32,
+            i64,
+            Option<Value>,
+        ) = sqlx::query_as(
+            "SELECT w.state::text, z29c_may_have_sent(s.id), s.waits, s.waited_ms, s.retry_policy
+             FROM workflows w JOIN steps s ON s.workflow_id = w.id
+             WHERE w.id = $1 AND s.id = $2 FOR SHARE OF w",
         )
         .bind(held.workflow)
         .bind(claim.step.as_uuid())
         .fetch_one(&mut *tx)
         .await?;
+        let running = parse::<WorkflowState>(&workflow_state)? == WorkflowState::Running;
         // an ended workflow stops the step; one whose earlier attempt may have had an effect
         // is not cancelled but goes to review
-        let next = if parse::<WorkflowState>(&workflow_state)? == WorkflowState::Running {
-            "ready"
-        } else if may_have_sent && !faults::broken(Break::CurrentAttemptOnly) {
-            "needs_review"
-        } else {
-            "cancelled"
+        let mut review = None;
+        let mut after = AfterWait::Wait;
+        if !running {
+            if may_have_sent && !faults::broken(Break::CurrentAttemptOnly) {
+                review = Some(
+                    "workflow ended after an earlier attempt's request may have been sent".to_owned(),
+                );
+            }
+        } else if let Giving::Waiting { why } = giving {
+            let so_far = Waited {
+                waits: u32::try_from(waits).unwrap_or(0),
+                total: Duration::from_millis(u64::try_from(waited_ms).unwrap_or(0)),
+            };
+            after = crate::retry_policy_from_row(retry)?.after_wait(so_far, delay, may_have_sent, why);
+            match &after {
+                AfterWait::Wait => {}
+                AfterWait::Review(reason) => review = Some(reason.clone()),
+                AfterWait::Fail(reason) => {
+                    crate::ending::fail_by_policy(
+                        &mut tx,
+                        held.workflow,
+                        NewEvent::by(
+                            claim,
+                            held.workflow,
+                            EventKind::FailedByPolicy,
+                            json!({ "reason": reason, "waits": so_far.waits + 1,
+                                    "waited_ms": waited_ms }),
+                        ),
+                        "a step waited past its budget without sending",
+                    )
+                    .await?;
+                    tx.commit().await?;
+                    return Ok(after);
+                }
+            }
+        }
+        let next = match (running, &review) {
+            (_, Some(_)) => StepState::NeedsReview,
+            (true, None) => StepState::Ready,
+            (false, None) => StepState::Cancelled,
         };
         sqlx::query(
             "UPDATE steps
              SET state = $2::step_state, lease_owner = NULL, leased_at = NULL, expires_at = NULL,
                  next_eligible_at = now() + $3::bigint * interval '1 millisecond',
+                 waits = waits + $4, waited_ms = waited_ms + $5,
                  updated_at = now()
              WHERE id = $1",
         )
         .bind(claim.step.as_uuid())
-        .bind(next)
+        .bind(next.as_str())
         .bind(millis(delay))
+        .bind(i32::from(matches!(giving, Giving::Waiting { .. })))
+        .bind(if matches!(giving, Giving::Waiting { .. }) { millis(delay) } else { 0 })
         .execute(&mut *tx)
         .await?;
-        if next == "needs_review" {
-            let reason = "workflow ended after an earlier attempt's request may have been sent";
+        if let Some(reason) = &review {
             open_review(&mut tx, held.workflow, claim.step.as_uuid(), reason).await?;
             events::append(
                 &mut tx,
@@ -705,17 +797,24 @@ impl Store {
             )
             .await?;
         }
-        events::append(
-            &mut tx,
-            NewEvent::by(
-                claim,
-                held.workflow,
-                kind,
-                json!({ "retry_after_ms": millis(delay), "state": next }),
+        let (kind, detail) = match giving {
+            Giving::Unbegun => (
+                EventKind::LeaseReleased,
+                json!({ "retry_after_ms": millis(delay), "state": next.as_str() }),
             ),
-        )
-        .await?;
-        if next == "ready" && delay.is_zero() {
+            Giving::Waiting { why } => (
+                EventKind::RateLimited,
+                json!({ "retry_after_ms": millis(delay), "state": next.as_str(), "why": why,
+                        "waits": waits + 1 }),
+            ),
+            Giving::Refused { status, reason } => (
+                EventKind::RetryScheduled,
+                json!({ "retry_after_ms": millis(delay), "state": next.as_str(),
+                        "status": status, "reason": reason }),
+            ),
+        };
+        events::append(&mut tx, NewEvent::by(claim, held.workflow, kind, detail)).await?;
+        if next == StepState::Ready && delay.is_zero() {
             outbox::enqueue(
                 &mut tx,
                 MessageKind::StepReady,
@@ -726,7 +825,7 @@ impl Store {
             .await?;
         }
         tx.commit().await?;
-        Ok(())
+        Ok(after)
     }
 
     /// Ends the lease now (fenced) without deciding anything, so recovery takes the step at
@@ -752,6 +851,17 @@ impl Store {
         tx.commit().await?;
         Ok(())
     }
+}
+
+/// How a step is given back by its worker.
+#[derive(Debug, Clone, Copy)]
+enum Giving<'a> {
+    /// Before its invocation began (shutdown, no time left).
+    Unbegun,
+    /// Nothing sent, for this reason: it waits, against its budget.
+    Waiting { why: &'a str },
+    /// A definite refusal its policy retries.
+    Refused { status: u16, reason: &'a str },
 }
 
 fn check_observed(o: &Observed) -> Result<()> {

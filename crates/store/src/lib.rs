@@ -228,6 +228,20 @@ impl Store {
     }
 }
 
+/// A step's retry policy as `steps.retry_policy` holds it: the fields its submission set, or
+/// NULL for every default.
+pub(crate) fn retry_policy_to_row(p: &z29c_core::RetryPolicy) -> Option<serde_json::Value> {
+    (*p != z29c_core::RetryPolicy::default())
+        .then(|| serde_json::to_value(p).expect("a retry policy serializes"))
+}
+
+/// A step's retry policy read back from `steps.retry_policy`.
+pub(crate) fn retry_policy_from_row(v: Option<serde_json::Value>) -> Result<z29c_core::RetryPolicy> {
+    v.map_or(Ok(z29c_core::RetryPolicy::default()), |v| {
+        serde_json::from_value(v).map_err(|e| StoreError::Corrupt(format!("retry_policy: {e}")))
+    })
+}
+
 /// Milliseconds of a duration as the `bigint` PostgreSQL intervals are built from.
 pub(crate) fn millis(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)

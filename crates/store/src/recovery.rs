@@ -365,7 +365,7 @@ impl Store {
         // current attempt's checkpoint alone forgets an earlier request
         let (attempts_used, earlier_may_have_sent): (i64, bool) = sqlx::query_as(
             "SELECT count(*) FILTER (WHERE state <> 'released'),
-                    coalesce(bool_or(checkpoint >= 'invocation_began' AND state <> 'released')
+                    coalesce(bool_or(z29c_attempt_may_have_sent(checkpoint, state))
                              FILTER (WHERE id IS DISTINCT FROM $2), false)
              FROM attempts WHERE step_id = $1",
         )
@@ -557,11 +557,13 @@ impl Store {
         // a retry after an attempt that failed to finish waits, capped and jittered
         let wait = match record.decision {
             D::Retry | D::RetrySameIdentity => {
-                let made: i32 = sqlx::query_scalar("SELECT attempts_made FROM steps WHERE id = $1")
-                    .bind(lease.step.as_uuid())
-                    .fetch_one(&mut *tx)
-                    .await?;
-                z29c_core::policy::retry_delay(u32::try_from(made).unwrap_or(1))
+                let (made, retry): (i32, Option<Value>) = sqlx::query_as(
+                    "SELECT attempts_made, retry_policy FROM steps WHERE id = $1",
+                )
+                .bind(lease.step.as_uuid())
+                .fetch_one(&mut *tx)
+                .await?;
+                crate::retry_policy_from_row(retry)?.backoff(u32::try_from(made).unwrap_or(1))
             }
             _ => std::time::Duration::ZERO,
         };

@@ -418,6 +418,7 @@ impl Store {
                     "schedule_to_start_ms": (!policy.schedule_to_start.is_zero())
                         .then(|| millis(policy.schedule_to_start)),
                     "max_attempts": policy.max_attempts,
+                    "retry_policy": crate::retry_policy_to_row(&policy.retry),
                     "state": submitted_state(s).as_str(),
                     "pending_deps": s.depends_on.len(),
                 }));
@@ -441,19 +442,21 @@ impl Store {
                  INSERT INTO steps (id, workflow_id, name, position, adapter, operation, input,
                      input_digest, lease_ms, renew_every_ms, attempt_deadline_ms, final_grace_ms,
                      adapter_timeout_ms, max_attempts, state, pending_deps, schedule_to_start_ms,
-                     start_by)
+                     start_by, retry_policy)
                  SELECT x.id, w.id, x.name, x.position, x.adapter, x.operation, x.input,
                      x.input_digest, x.lease_ms, x.renew_every_ms, x.attempt_deadline_ms,
                      x.final_grace_ms, x.adapter_timeout_ms, x.max_attempts,
                      x.state::step_state, x.pending_deps, x.schedule_to_start_ms,
                      CASE WHEN x.state = 'ready'
-                          THEN now() + x.schedule_to_start_ms * interval '1 millisecond' END
+                          THEN now() + x.schedule_to_start_ms * interval '1 millisecond' END,
+                     x.retry_policy
                  FROM jsonb_to_recordset($7) AS x(workflow_id uuid, id uuid, name text,
                      position integer, adapter text, operation text, input jsonb,
                      input_digest text, lease_ms integer, renew_every_ms integer,
                      attempt_deadline_ms integer, final_grace_ms integer,
                      adapter_timeout_ms integer, max_attempts integer,
-                     state text, pending_deps integer, schedule_to_start_ms bigint)
+                     state text, pending_deps integer, schedule_to_start_ms bigint,
+                     retry_policy jsonb)
                  JOIN w ON w.id = x.workflow_id
              ), d AS (
                  INSERT INTO step_dependencies (step_id, depends_on)
@@ -615,11 +618,10 @@ impl Store {
         let Some(workflow) = workflow else {
             return Err(StoreError::NotFound { what: "step" });
         };
-        let workflow_state: String =
-            sqlx::query_scalar("SELECT state::text FROM workflows WHERE id = $1 FOR NO KEY UPDATE")
-                .bind(workflow)
-                .fetch_one(&mut *tx)
-                .await?;
+        sqlx::query("SELECT 1 FROM workflows WHERE id = $1 FOR NO KEY UPDATE")
+            .bind(workflow)
+            .execute(&mut *tx)
+            .await?;
         let due: Option<(i64, Option<i64>, bool)> = sqlx::query_as(
             "SELECT lease_version, schedule_to_start_ms, z29c_may_have_sent(id) FROM steps
              WHERE id = $1 AND state = 'ready' AND start_by <= now()
@@ -639,18 +641,13 @@ impl Store {
             tx.commit().await?;
             return Ok(false);
         }
-        sqlx::query(
-            "UPDATE steps SET state = 'failed', start_by = NULL, updated_at = now() WHERE id = $1",
-        )
-        .bind(step.as_uuid())
-        .execute(&mut *tx)
-        .await?;
         let reason = format!(
             "not started within its schedule-to-start deadline ({} ms); nothing was sent",
             limit_ms.unwrap_or_default()
         );
-        crate::events::append(
+        crate::ending::fail_by_policy(
             &mut tx,
+            workflow,
             crate::events::NewEvent {
                 workflow,
                 step: step.as_uuid(),
@@ -660,17 +657,9 @@ impl Store {
                 kind: crate::events::EventKind::FailedByPolicy,
                 detail: json!({ "reason": reason, "schedule_to_start_ms": limit_ms }),
             },
+            "a step was not started within its schedule-to-start deadline",
         )
         .await?;
-        if parse::<WorkflowState>(&workflow_state)? == WorkflowState::Running {
-            crate::ending::end_workflow(&mut tx, workflow, WorkflowState::Failed).await?;
-            crate::ending::stop_unstarted_steps(
-                &mut tx,
-                workflow,
-                "a step was not started within its schedule-to-start deadline",
-            )
-            .await?;
-        }
         tx.commit().await?;
         Ok(true)
     }

@@ -698,7 +698,7 @@ async fn claim_persists_the_steps_stable_request_identity(pool: PgPool) {
     .fetch_one(&pool)
     .await
     .unwrap();
-    let base = z29c_core::policy::RETRY_BASE.as_secs_f64();
+    let base = z29c_core::retry::DEFAULT_INITIAL_BACKOFF.as_secs_f64();
     assert!(
         wait > base * 0.5 && wait <= 2.0 * base,
         "first retry backoff {wait} s, base {base} s"
@@ -821,7 +821,7 @@ async fn rate_limited_step_holds_no_lease_while_it_waits(pool: PgPool) {
     let c = claimed_single(&store, "k1", "worker-a").await;
     invoke(&store, &c).await;
     store
-        .release_rate_limited(&c.lease, Duration::from_secs(60))
+        .release_rate_limited(&c.lease, Duration::from_secs(60), "rate_limited")
         .await
         .unwrap();
     let wf = store.workflow(c.workflow).await.unwrap();

@@ -153,7 +153,7 @@ async fn a_cancelled_workflow_sends_a_step_to_review_when_an_earlier_attempt_may
     // counts as having sent nothing; the minute it waits keeps it out of the next claim
     invoke(&store, throttled).await;
     store
-        .release_rate_limited(&throttled.lease, Duration::from_secs(60))
+        .release_rate_limited(&throttled.lease, Duration::from_secs(60), "rate_limited")
         .await
         .unwrap();
     let second = sent_then_retried(&store, &pool, sent).await;
@@ -251,7 +251,7 @@ async fn recovery_sees_an_earlier_attempt_that_may_have_sent(pool: PgPool) {
     let throttled = claimed_single(&store, "throttled", "worker-a").await;
     invoke(&store, &throttled).await;
     store
-        .release_rate_limited(&throttled.lease, Duration::from_secs(60))
+        .release_rate_limited(&throttled.lease, Duration::from_secs(60), "rate_limited")
         .await
         .unwrap();
     eligible_now(&pool, throttled.lease.step).await;

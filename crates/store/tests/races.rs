@@ -87,7 +87,7 @@ async fn racing_claimers_never_share_a_lease_and_never_lose_a_step(
                     holders.lock().unwrap().remove(&c.lease.step);
                     if back {
                         store
-                            .release_rate_limited(&c.lease, Duration::ZERO)
+                            .release_rate_limited(&c.lease, Duration::ZERO, "rate_limited")
                             .await
                             .unwrap();
                     } else {

@@ -109,6 +109,7 @@ pub fn short_policy() -> LeasePolicy {
         adapter_timeout: Duration::from_millis(500),
         max_attempts: 3,
         schedule_to_start: Duration::ZERO,
+        retry: Default::default(),
     }
 }
 
