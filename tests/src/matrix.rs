@@ -1077,8 +1077,15 @@ async fn drive(
             let mut p = policy();
             p.max_attempts = 3;
             for i in 0..4 {
-                run.submit(&format!("poison-{i}"), &target, "poison", 1, p.clone(), None)
-                    .await?;
+                run.submit(
+                    &format!("poison-{i}"),
+                    &target,
+                    "poison",
+                    1,
+                    p.clone(),
+                    None,
+                )
+                .await?;
                 run.allowance += 1;
             }
             run.healthy(cap, 2).await?;

@@ -282,7 +282,11 @@ mod tests {
             (Some("120"), 120_000),
         ];
         for (header, ms) in cases {
-            assert_eq!(retry_after(header, now), Duration::from_millis(ms), "{header:?}");
+            assert_eq!(
+                retry_after(header, now),
+                Duration::from_millis(ms),
+                "{header:?}"
+            );
         }
     }
 

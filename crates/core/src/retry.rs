@@ -137,7 +137,12 @@ impl RetryPolicy {
     /// Whether a definite refusal with `status` is tried again: only a status the policy names,
     /// and only while attempts are left (`attempts_used` counts this one). A refusal says the
     /// effect did not happen, so another request under the same identity cannot make two.
-    pub fn after_refusal(&self, status: u16, attempts_used: u32, max_attempts: u32) -> AfterRefusal {
+    pub fn after_refusal(
+        &self,
+        status: u16,
+        attempts_used: u32,
+        max_attempts: u32,
+    ) -> AfterRefusal {
         if self.retryable_statuses.contains(status) && attempts_used < max_attempts {
             AfterRefusal::Retry {
                 after: self.backoff(attempts_used),
@@ -366,16 +371,29 @@ mod tests {
             ..RetryPolicy::default()
         };
         for status in [400, 401, 403, 404, 422, 451] {
-            assert_eq!(p.after_refusal(status, 1, 5), AfterRefusal::Final, "{status}");
+            assert_eq!(
+                p.after_refusal(status, 1, 5),
+                AfterRefusal::Final,
+                "{status}"
+            );
         }
         for status in [408, 425] {
-            assert!(matches!(p.after_refusal(status, 1, 5), AfterRefusal::Retry { .. }));
-            assert!(matches!(p.after_refusal(status, 4, 5), AfterRefusal::Retry { .. }));
+            assert!(matches!(
+                p.after_refusal(status, 1, 5),
+                AfterRefusal::Retry { .. }
+            ));
+            assert!(matches!(
+                p.after_refusal(status, 4, 5),
+                AfterRefusal::Retry { .. }
+            ));
             assert_eq!(p.after_refusal(status, 5, 5), AfterRefusal::Final);
             assert_eq!(p.after_refusal(status, 6, 5), AfterRefusal::Final);
         }
         // nothing is retried by default
-        assert_eq!(RetryPolicy::default().after_refusal(408, 1, 5), AfterRefusal::Final);
+        assert_eq!(
+            RetryPolicy::default().after_refusal(408, 1, 5),
+            AfterRefusal::Final
+        );
     }
 
     #[test]
@@ -405,28 +423,45 @@ mod tests {
             waits,
             total: ms(total),
         };
-        assert_eq!(p.after_wait(w(0, 0), ms(1_000), false, "rate limited"), AfterWait::Wait);
-        assert_eq!(p.after_wait(w(2, 2_000), ms(1_000), true, "rate limited"), AfterWait::Wait);
+        assert_eq!(
+            p.after_wait(w(0, 0), ms(1_000), false, "rate limited"),
+            AfterWait::Wait
+        );
+        assert_eq!(
+            p.after_wait(w(2, 2_000), ms(1_000), true, "rate limited"),
+            AfterWait::Wait
+        );
         // the fourth wait is past max_waits
         let AfterWait::Fail(why) = p.after_wait(w(3, 3_000), ms(1_000), false, "rate limited")
         else {
             panic!("expected a failure")
         };
-        assert!(why.contains("max_waits (3)") && why.contains("nothing was sent"), "{why}");
-        let AfterWait::Review(why) = p.after_wait(w(3, 3_000), ms(1_000), true, "no permit")
-        else {
+        assert!(
+            why.contains("max_waits (3)") && why.contains("nothing was sent"),
+            "{why}"
+        );
+        let AfterWait::Review(why) = p.after_wait(w(3, 3_000), ms(1_000), true, "no permit") else {
             panic!("expected a review")
         };
-        assert!(why.starts_with("no permit") && why.contains("may have sent"), "{why}");
+        assert!(
+            why.starts_with("no permit") && why.contains("may have sent"),
+            "{why}"
+        );
         // a wait that would go past max_wait ends the step now, not after the wait
         assert!(matches!(
             p.after_wait(w(1, 9_000), ms(1_001), false, "rate limited"),
             AfterWait::Fail(why) if why.contains("max_wait_ms (10000)")
         ));
-        assert_eq!(p.after_wait(w(1, 9_000), ms(1_000), false, "x"), AfterWait::Wait);
+        assert_eq!(
+            p.after_wait(w(1, 9_000), ms(1_000), false, "x"),
+            AfterWait::Wait
+        );
         // no count limit by default; the total still bounds it
         let d = RetryPolicy::default();
-        assert_eq!(d.after_wait(w(1_000_000, 0), ms(200), false, "x"), AfterWait::Wait);
+        assert_eq!(
+            d.after_wait(w(1_000_000, 0), ms(200), false, "x"),
+            AfterWait::Wait
+        );
         assert!(matches!(
             d.after_wait(w(1, 0), ms(7_200_000), false, "x"),
             AfterWait::Fail(_)
@@ -439,14 +474,62 @@ mod tests {
         RetryPolicy::default().validate(&b).unwrap();
         let base = RetryPolicy::default();
         let cases = [
-            ("initial_backoff_ms", RetryPolicy { initial_backoff: ms(0), ..base }),
-            ("initial_backoff_ms", RetryPolicy { initial_backoff: ms(40_000), ..base }),
-            ("max_backoff_ms", RetryPolicy { max_backoff: b.max_backoff + ms(1), ..base }),
-            ("backoff_multiplier", RetryPolicy { backoff_multiplier: Multiplier(0.5), ..base }),
-            ("backoff_multiplier", RetryPolicy { backoff_multiplier: Multiplier(f64::NAN), ..base }),
-            ("backoff_multiplier", RetryPolicy { backoff_multiplier: Multiplier(11.0), ..base }),
-            ("max_wait_ms", RetryPolicy { max_wait: ms(0), ..base }),
-            ("max_wait_ms", RetryPolicy { max_wait: b.max_wait + ms(1), ..base }),
+            (
+                "initial_backoff_ms",
+                RetryPolicy {
+                    initial_backoff: ms(0),
+                    ..base
+                },
+            ),
+            (
+                "initial_backoff_ms",
+                RetryPolicy {
+                    initial_backoff: ms(40_000),
+                    ..base
+                },
+            ),
+            (
+                "max_backoff_ms",
+                RetryPolicy {
+                    max_backoff: b.max_backoff + ms(1),
+                    ..base
+                },
+            ),
+            (
+                "backoff_multiplier",
+                RetryPolicy {
+                    backoff_multiplier: Multiplier(0.5),
+                    ..base
+                },
+            ),
+            (
+                "backoff_multiplier",
+                RetryPolicy {
+                    backoff_multiplier: Multiplier(f64::NAN),
+                    ..base
+                },
+            ),
+            (
+                "backoff_multiplier",
+                RetryPolicy {
+                    backoff_multiplier: Multiplier(11.0),
+                    ..base
+                },
+            ),
+            (
+                "max_wait_ms",
+                RetryPolicy {
+                    max_wait: ms(0),
+                    ..base
+                },
+            ),
+            (
+                "max_wait_ms",
+                RetryPolicy {
+                    max_wait: b.max_wait + ms(1),
+                    ..base
+                },
+            ),
         ];
         for (field, p) in cases {
             assert_eq!(p.validate(&b).unwrap_err().field, field, "{p:?}");
@@ -455,7 +538,10 @@ mod tests {
 
     #[test]
     fn a_default_policy_serializes_to_nothing_and_reads_back() {
-        assert_eq!(serde_json::to_string(&RetryPolicy::default()).unwrap(), "{}");
+        assert_eq!(
+            serde_json::to_string(&RetryPolicy::default()).unwrap(),
+            "{}"
+        );
         let p: RetryPolicy = serde_json::from_str("{}").unwrap();
         assert_eq!(p, RetryPolicy::default());
         let set = RetryPolicy {

@@ -169,7 +169,11 @@ async fn attempt(
     let Some(gateway) = ctx.gateways.for_adapter(&step.adapter).await else {
         tracing::warn!(adapter = %step.adapter, "no gateway serves this adapter; giving the step back");
         return store
-            .release_rate_limited(lease, Duration::from_secs(2), "no gateway serves the adapter")
+            .release_rate_limited(
+                lease,
+                Duration::from_secs(2),
+                "no gateway serves the adapter",
+            )
             .await
             .map(waited);
     };
@@ -298,7 +302,11 @@ async fn attempt(
                 .release_rate_limited(
                     lease,
                     Duration::from_millis(r.retry_after_ms),
-                    if r.reason.is_empty() { "rate_limited" } else { &r.reason },
+                    if r.reason.is_empty() {
+                        "rate_limited"
+                    } else {
+                        &r.reason
+                    },
                 )
                 .await
                 .map(waited)?;
@@ -330,8 +338,12 @@ async fn attempt(
 fn waited(after: AfterWait) {
     match after {
         AfterWait::Wait => {}
-        AfterWait::Fail(reason) => tracing::warn!(%reason, "the step waited past its budget and failed"),
-        AfterWait::Review(reason) => tracing::warn!(%reason, "the step waited past its budget and goes to review"),
+        AfterWait::Fail(reason) => {
+            tracing::warn!(%reason, "the step waited past its budget and failed")
+        }
+        AfterWait::Review(reason) => {
+            tracing::warn!(%reason, "the step waited past its budget and goes to review")
+        }
     }
 }
 

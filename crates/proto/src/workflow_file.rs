@@ -51,7 +51,10 @@ impl WorkflowFile {
                 let field = |what: &str| {
                     WorkflowFileError(format!("steps[{i}].policy.{k}: {what}, not {v}"))
                 };
-                let millis = || v.as_u64().ok_or_else(|| field("a whole number of milliseconds"));
+                let millis = || {
+                    v.as_u64()
+                        .ok_or_else(|| field("a whole number of milliseconds"))
+                };
                 let count = || {
                     v.as_u64()
                         .and_then(|n| u32::try_from(n).ok())
@@ -147,9 +150,15 @@ mod tests {
         assert_eq!(p.retryable_statuses, [408, 425]);
         assert_eq!((p.max_waits, p.max_wait_ms), (3, 60_000));
         for (line, named) in [
-            ("retryable_statuses: 408", "steps[0].policy.retryable_statuses"),
+            (
+                "retryable_statuses: 408",
+                "steps[0].policy.retryable_statuses",
+            ),
             ("lease_ms: 1.5", "steps[0].policy.lease_ms"),
-            ("backoff_multiplier: fast", "steps[0].policy.backoff_multiplier"),
+            (
+                "backoff_multiplier: fast",
+                "steps[0].policy.backoff_multiplier",
+            ),
         ] {
             let wf = parse(&format!(
                 "name: x\nsteps:\n- {{name: a, adapter: http, operation: o, policy: {{{line}}}}}\n"

@@ -12,9 +12,10 @@ use sqlx::{FromRow, PgConnection, Row};
 use uuid::Uuid;
 use z29c_core::fence::FencedWrite;
 use z29c_core::{
-    AfterRefusal, AfterWait, AttemptId, AttemptState, Checkpoint, StepState, Waited, ExternalReference, FenceReason, InputDigest, LeaseClaim, LeaseKind,
-    LeasePolicy, LeaseVersion, Outcome, OwnerId, RenewalDecision, RequestIdentity, StepId,
-    StepName, Verification, WorkflowId, WorkflowState,
+    AfterRefusal, AfterWait, AttemptId, AttemptState, Checkpoint, ExternalReference, FenceReason,
+    InputDigest, LeaseClaim, LeaseKind, LeasePolicy, LeaseVersion, Outcome, OwnerId,
+    RenewalDecision, RequestIdentity, StepId, StepName, StepState, Verification, Waited,
+    WorkflowId, WorkflowState,
 };
 
 use crate::ending::{
@@ -637,7 +638,8 @@ impl Store {
         retry_after: Duration,
         why: &str,
     ) -> Result<AfterWait> {
-        self.release(claim, retry_after, Giving::Waiting { why }).await
+        self.release(claim, retry_after, Giving::Waiting { why })
+            .await
     }
 
     /// Gives back a step whose invocation has not begun (graceful shutdown): it is ready again
@@ -688,7 +690,12 @@ impl Store {
         }
     }
 
-    async fn release(&self, claim: &LeaseClaim, delay: Duration, giving: Giving<'_>) -> Result<AfterWait> {
+    async fn release(
+        &self,
+        claim: &LeaseClaim,
+        delay: Duration,
+        giving: Giving<'_>,
+    ) -> Result<AfterWait> {
         let mut tx = self.begin().await?;
         let held = fence::fence(&mut tx, claim, FencedWrite::Release).await?;
         if matches!(giving, Giving::Unbegun) && held.checkpoint >= Some(Checkpoint::InvocationBegan)
@@ -701,11 +708,13 @@ impl Store {
             Giving::Refused { .. } => AttemptState::Refused,
             Giving::Unbegun | Giving::Waiting { .. } => AttemptState::Released,
         };
-        sqlx::query("UPDATE attempts SET state = $2::attempt_state, updated_at = now() WHERE id = $1")
-            .bind(claim.attempt.as_uuid())
-            .bind(attempt_state.as_str())
-            .execute(&mut *tx)
-            .await?;
+        sqlx::query(
+            "UPDATE attempts SET state = $2::attempt_state, updated_at = now() WHERE id = $1",
+        )
+        .bind(claim.attempt.as_uuid())
+        .bind(attempt_state.as_str())
+        .execute(&mut *tx)
+        .await?;
         // the workflow's state as it is now, locked against a concurrent end (deadline,
         // cancel), so a step is never made ready in a workflow that just ended; whether any
         // attempt of the step, this one now released, may have sent its request; and what the
@@ -733,7 +742,8 @@ impl Store {
         if !running {
             if may_have_sent && !faults::broken(Break::CurrentAttemptOnly) {
                 review = Some(
-                    "workflow ended after an earlier attempt's request may have been sent".to_owned(),
+                    "workflow ended after an earlier attempt's request may have been sent"
+                        .to_owned(),
                 );
             }
         } else if let Giving::Waiting { why } = giving {
@@ -741,7 +751,8 @@ impl Store {
                 waits: u32::try_from(waits).unwrap_or(0),
                 total: Duration::from_millis(u64::try_from(waited_ms).unwrap_or(0)),
             };
-            after = crate::retry_policy_from_row(retry)?.after_wait(so_far, delay, may_have_sent, why);
+            after =
+                crate::retry_policy_from_row(retry)?.after_wait(so_far, delay, may_have_sent, why);
             match &after {
                 AfterWait::Wait => {}
                 AfterWait::Review(reason) => review = Some(reason.clone()),
@@ -781,7 +792,11 @@ impl Store {
         .bind(next.as_str())
         .bind(millis(delay))
         .bind(i32::from(matches!(giving, Giving::Waiting { .. })))
-        .bind(if matches!(giving, Giving::Waiting { .. }) { millis(delay) } else { 0 })
+        .bind(if matches!(giving, Giving::Waiting { .. }) {
+            millis(delay)
+        } else {
+            0
+        })
         .execute(&mut *tx)
         .await?;
         if let Some(reason) = &review {

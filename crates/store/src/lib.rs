@@ -236,7 +236,9 @@ pub(crate) fn retry_policy_to_row(p: &z29c_core::RetryPolicy) -> Option<serde_js
 }
 
 /// A step's retry policy read back from `steps.retry_policy`.
-pub(crate) fn retry_policy_from_row(v: Option<serde_json::Value>) -> Result<z29c_core::RetryPolicy> {
+pub(crate) fn retry_policy_from_row(
+    v: Option<serde_json::Value>,
+) -> Result<z29c_core::RetryPolicy> {
     v.map_or(Ok(z29c_core::RetryPolicy::default()), |v| {
         serde_json::from_value(v).map_err(|e| StoreError::Corrupt(format!("retry_policy: {e}")))
     })

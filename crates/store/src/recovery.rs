@@ -557,12 +557,11 @@ impl Store {
         // a retry after an attempt that failed to finish waits, capped and jittered
         let wait = match record.decision {
             D::Retry | D::RetrySameIdentity => {
-                let (made, retry): (i32, Option<Value>) = sqlx::query_as(
-                    "SELECT attempts_made, retry_policy FROM steps WHERE id = $1",
-                )
-                .bind(lease.step.as_uuid())
-                .fetch_one(&mut *tx)
-                .await?;
+                let (made, retry): (i32, Option<Value>) =
+                    sqlx::query_as("SELECT attempts_made, retry_policy FROM steps WHERE id = $1")
+                        .bind(lease.step.as_uuid())
+                        .fetch_one(&mut *tx)
+                        .await?;
                 crate::retry_policy_from_row(retry)?.backoff(u32::try_from(made).unwrap_or(1))
             }
             _ => std::time::Duration::ZERO,
