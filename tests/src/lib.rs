@@ -51,6 +51,30 @@ pub fn use_server(admin_url: String) {
     let _ = SERVER.set(admin_url);
 }
 
+/// Waits until `sql` (a query the test wrote, never input) counts something, for at most
+/// `within`; the error names `what` was waited for.
+pub async fn wait_for_count(
+    pool: &PgPool,
+    sql: &str,
+    what: &str,
+    within: std::time::Duration,
+) -> Result<()> {
+    let start = std::time::Instant::now();
+    loop {
+        let n: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(sql.to_owned()))
+            .fetch_one(pool)
+            .await
+            .unwrap_or(0);
+        if n > 0 {
+            return Ok(());
+        }
+        if start.elapsed() > within {
+            anyhow::bail!("waited {within:?} for {what}");
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+}
+
 /// Rows in `table` (a name the test wrote, never input).
 pub async fn count_rows(pool: &PgPool, table: &str) -> Result<i64> {
     Ok(

@@ -22,6 +22,7 @@ use crate::cluster::{Cluster, Topology, chain};
 use crate::history::{Expect, History, Invariant, Tally, Violation};
 use crate::infra::{PrivateNats, PrivatePostgres};
 use crate::proxy::{CommitTrap, Proxy};
+use crate::wait_for_count;
 
 /// Which adapter(s) a cell's workflows use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -419,23 +420,6 @@ async fn count(pool: &PgPool, sql: &str) -> i64 {
         .fetch_one(pool)
         .await
         .unwrap_or(-1)
-}
-
-async fn wait_for_count(pool: &PgPool, sql: &str, what: &str, within: Duration) -> Result<()> {
-    let start = Instant::now();
-    loop {
-        let n: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(sql.to_owned()))
-            .fetch_one(pool)
-            .await
-            .unwrap_or(0);
-        if n > 0 {
-            return Ok(());
-        }
-        if start.elapsed() > within {
-            bail!("waited {within:?} for {what}");
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
 }
 
 fn prost_types_timestamp(at: chrono::DateTime<chrono::Utc>) -> prost_types::Timestamp {

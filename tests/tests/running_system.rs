@@ -657,3 +657,129 @@ async fn a_step_not_started_within_its_schedule_to_start_deadline_fails_having_s
     ledger.close().await;
     cluster.stop().await
 }
+
+/// A destination that answers every request `429 Too Many Requests` does not hold a step
+/// forever: past its waiting budget (`max_waits`) the step fails, saying why, with no effect at
+/// the destination, and its workflow fails with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_destination_that_always_answers_429_ends_the_step_past_its_waiting_budget()
+-> Result<()> {
+    let cluster = Cluster::start(1, 1, 4).await?;
+    let pool = cluster.db.pool(2).await?;
+    let ledger = cluster.ledger_pool().await?;
+    // Retry-After: 1 (seconds) on every request
+    cluster
+        .set_faults("throttled", json!({ "rate_limit_ms": 1 }))
+        .await?;
+    let mut req = chain("always-429", "throttled", 1);
+    req.steps[0].policy = Some(pb::LeasePolicy {
+        max_waits: 3,
+        ..Default::default()
+    });
+    let ids = submit(&cluster, vec![req]).await?;
+    cluster.wait_all_ended(&ids, Duration::from_secs(60)).await?;
+
+    let (step, workflow): (String, String) = sqlx::query_as(
+        "SELECT s.state::text, w.state::text FROM steps s JOIN workflows w ON w.id = s.workflow_id",
+    )
+    .fetch_one(&pool)
+    .await?;
+    assert_eq!((step.as_str(), workflow.as_str()), ("failed", "failed"));
+    let reason: String = sqlx::query_scalar(
+        "SELECT detail->>'reason' FROM step_events WHERE kind = 'failed_by_policy'",
+    )
+    .fetch_one(&pool)
+    .await?;
+    assert!(
+        reason.starts_with("rate_limited") && reason.contains("max_waits (3)"),
+        "{reason}"
+    );
+    // three waits, then the fourth refusal ended it: four requests, all refused, no effect
+    let refused: Vec<Option<String>> = sqlx::query_scalar(
+        "SELECT refused FROM destination.requests WHERE route = 'throttled' ORDER BY id",
+    )
+    .fetch_all(&ledger)
+    .await?;
+    assert_eq!(refused, vec![Some("rate_limited".to_owned()); 4]);
+    let effects: i64 = sqlx::query_scalar("SELECT count(*) FROM destination.ledger")
+        .fetch_one(&ledger)
+        .await?;
+    assert_eq!(effects, 0);
+    pool.close().await;
+    ledger.close().await;
+    cluster.stop().await
+}
+
+/// A definite refusal the step's policy names (`408 Request Timeout`) is sent again under the
+/// same request identity after its backoff, and the step completes once the destination
+/// accepts: one effect, one key. A refusal the policy does not name (`400`) ends its step at
+/// once, with one request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refusal_the_policy_retries_is_sent_again_under_the_same_identity() -> Result<()> {
+    let cluster = Cluster::start(1, 1, 4).await?;
+    let pool = cluster.db.pool(2).await?;
+    let ledger = cluster.ledger_pool().await?;
+    let retrying = || pb::LeasePolicy {
+        max_attempts: 3,
+        retryable_statuses: vec![408, 425],
+        // long enough for the test to lift the fault before the retry
+        initial_backoff_ms: 3_000,
+        ..Default::default()
+    };
+    cluster
+        .set_faults("flaky", json!({ "refuse_status": 408 }))
+        .await?;
+    cluster
+        .set_faults("bad", json!({ "refuse_status": 400 }))
+        .await?;
+    let mut flaky = chain("refused-then-accepted", "flaky", 1);
+    flaky.steps[0].policy = Some(retrying());
+    let mut bad = chain("refused-for-good", "bad", 1);
+    bad.steps[0].policy = Some(retrying());
+    let ids = submit(&cluster, vec![flaky, bad]).await?;
+    z29c_scenarios::wait_for_count(
+        &ledger,
+        "SELECT count(*) FROM destination.requests WHERE route = 'flaky'",
+        "the first, refused, request",
+        Duration::from_secs(30),
+    )
+    .await?;
+    cluster.set_faults("flaky", json!({})).await?;
+    cluster.wait_all_ended(&ids, Duration::from_secs(60)).await?;
+
+    let states: HashMap<String, String> = sqlx::query_as(
+        "SELECT client_key, state::text FROM workflows",
+    )
+    .fetch_all(&pool)
+    .await?
+    .into_iter()
+    .collect();
+    assert_eq!(states["refused-then-accepted"], "completed", "{states:?}");
+    assert_eq!(states["refused-for-good"], "failed", "{states:?}");
+    let flaky: Vec<(Option<String>, Option<String>)> = sqlx::query_as(
+        "SELECT idempotency_key, refused FROM destination.requests WHERE route = 'flaky'
+         ORDER BY id",
+    )
+    .fetch_all(&ledger)
+    .await?;
+    assert_eq!(flaky.len(), 2, "{flaky:?}");
+    assert_eq!(flaky[0].1.as_deref(), Some("refused"));
+    assert_eq!(flaky[1].1, None);
+    assert!(flaky[0].0.is_some() && flaky[0].0 == flaky[1].0, "{flaky:?}");
+    let attempts: Vec<String> = sqlx::query_scalar(
+        "SELECT a.state::text FROM attempts a JOIN workflows w ON w.id = a.workflow_id
+         WHERE w.client_key = 'refused-then-accepted' ORDER BY a.number",
+    )
+    .fetch_all(&pool)
+    .await?;
+    assert_eq!(attempts, ["refused", "succeeded"]);
+    let bad: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM destination.requests WHERE route = 'bad'")
+            .fetch_one(&ledger)
+            .await?;
+    assert_eq!(bad, 1, "a refusal the policy does not name is not sent again");
+    check_receipts_against_ledger(&pool, &ledger, 1).await?;
+    pool.close().await;
+    ledger.close().await;
+    cluster.stop().await
+}

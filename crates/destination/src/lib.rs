@@ -92,6 +92,8 @@ pub struct Faults {
     pub rate_limit_ms: Option<u64>,
     /// Refuse with this 5xx status, committing nothing.
     pub server_error: Option<u16>,
+    /// Refuse outright with this 4xx status (`408`, `425`, `400`, …), committing nothing.
+    pub refuse_status: Option<u16>,
     /// Ignore idempotency keys: every request is a new effect.
     pub idempotency_off: bool,
     /// Refuse status queries with 501.
@@ -148,7 +150,7 @@ pub struct RequestEntry {
     /// SHA-256 of the body's JSON text, hex.
     pub body_digest: String,
     pub body: Value,
-    /// Why it was refused before anything was done (`rate_limited`, `server_error`,
+    /// Why it was refused before anything was done (`rate_limited`, `server_error`, `refused`,
     /// `in_flight` for a 409), or none.
     pub refused: Option<String>,
 }
@@ -425,6 +427,8 @@ async fn process(
         Some("rate_limited")
     } else if faults.server_error.is_some() {
         Some("server_error")
+    } else if faults.refuse_status.is_some() {
+        Some("refused")
     } else {
         None
     };
@@ -546,6 +550,10 @@ async fn respond(d: &Destination, r: Received) -> Response {
     if let Some(code) = faults.server_error {
         let status = StatusCode::from_u16(code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
         return error(status, "injected server error");
+    }
+    if let Some(code) = faults.refuse_status {
+        let status = StatusCode::from_u16(code).unwrap_or(StatusCode::BAD_REQUEST);
+        return error(status, "injected refusal");
     }
     if faults.ledger_off {
         // time-ordered, as the ledger's references are: a receipt's reference index then
