@@ -83,10 +83,18 @@ impl Cap {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+/// Which deadline binds in a deadline cell; each cell sets the others well clear of it.
 pub enum Deadline {
+    /// The adapter timeout (2 s) cuts the call; the lease (6 s, renewed) and the attempt
+    /// deadline (12 s) are far off.
     Adapter,
+    /// The lease (3 s) runs out because its worker is stopped mid-call; the call itself has
+    /// 10 s.
     Lease,
+    /// The attempt deadline cuts the call: its worker started it 2 s after the claim, leaving
+    /// 5.5 s of an 8 s attempt, short of the 7.5 s adapter timeout; the lease is renewed.
     Attempt,
+    /// The workflow's deadline (3.5 s) passes during a call that has 10 s.
     Workflow,
 }
 
@@ -156,7 +164,7 @@ impl fmt::Display for Fault {
                 let what = match d {
                     Deadline::Adapter => "the adapter deadline",
                     Deadline::Lease => "the lease runs out, its worker stopped",
-                    Deadline::Attempt => "the attempt deadline",
+                    Deadline::Attempt => "the attempt deadline, its worker slow to start",
                     Deadline::Workflow => "the workflow deadline",
                 };
                 write!(f, "7 answer just {when} {what}")
@@ -877,7 +885,16 @@ async fn drive(
             run.expect(n > 0, "the oversized answer was not treated as unknown");
         }
         Fault::Deadline(d, late) => {
-            run.executor(&[]).await?;
+            // the attempt deadline binds alone only when it leaves the call less time than the
+            // adapter timeout: the worker is slow to start the call, so the call gets what is
+            // left of the attempt
+            let slow_start = [("Z29C_FAULT_STALL_AFTER_CLAIM_MS", "2000")];
+            run.executor(if d == Deadline::Attempt {
+                &slow_start
+            } else {
+                &[]
+            })
+            .await?;
             let mut p = policy();
             let mut deadline = None;
             // margins of ~1 s either side: a loaded CI machine must not move an answer
@@ -900,11 +917,13 @@ async fn drive(
                     (1_000, 4_500)
                 }
                 Deadline::Attempt => {
+                    // 2 s stalled after the claim leave the call 8 - 0.5 - 2 = 5.5 s, short of
+                    // its 7.5 s adapter timeout; the lease (4 s) is renewed throughout
                     p.lease_ms = 4_000;
                     p.renew_every_ms = 1_000;
-                    p.attempt_deadline_ms = 4_000;
-                    p.adapter_timeout_ms = 3_500;
-                    (1_500, 4_300)
+                    p.attempt_deadline_ms = 8_000;
+                    p.adapter_timeout_ms = 7_500;
+                    (3_500, 7_000)
                 }
                 Deadline::Workflow => {
                     p.lease_ms = 6_000;
@@ -948,6 +967,23 @@ async fn drive(
             .await?;
             // only the first answer is late; a retry is answered at once
             run.cluster.set_faults("target", json!({})).await?;
+            if d == Deadline::Attempt {
+                // the slow start is the target's alone: once its first attempt is settled (a
+                // receipt, or recovery deciding), the worker starts its calls at once again
+                run.wait_for(
+                    "SELECT count(*) FROM workflows w WHERE w.client_key = 'target'
+                       AND (EXISTS (SELECT 1 FROM step_receipts r JOIN steps s ON s.id = r.step_id
+                                    WHERE s.workflow_id = w.id)
+                            OR EXISTS (SELECT 1 FROM recovery_decisions d
+                                       WHERE d.workflow_id = w.id))",
+                    "the target's first attempt settled",
+                    Duration::from_secs(30),
+                )
+                .await?;
+                run.cluster
+                    .restart("executor-1", &["Z29C_FAULT_STALL_AFTER_CLAIM_MS"])
+                    .await?;
+            }
             run.healthy(cap, 2).await?;
             run.cluster.wait_all_ended(&run.ids, long).await?;
             let recovered = run

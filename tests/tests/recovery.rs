@@ -132,6 +132,25 @@ async fn an_unknown_outcome_at_a_queryable_adapter_is_settled_by_a_status_query(
         .fetch_one(&pool)
         .await?;
     assert_eq!(attempts, 1, "nothing was sent twice");
+    // the query took a permit of its own class, for the step's identity, and gave it back
+    let queries: Vec<(String, Option<String>, Option<String>)> = sqlx::query_as(
+        "SELECT p.state, p.release_reason, a.request_identity FROM adapter_permits p
+         LEFT JOIN attempts a ON a.request_identity = p.request_identity
+         WHERE p.operation_class = 'status_query'",
+    )
+    .fetch_all(&pool)
+    .await?;
+    assert!(!queries.is_empty(), "a status query took no permit");
+    for (state, reason, identity) in &queries {
+        assert_eq!(
+            (state.as_str(), reason.as_deref()),
+            ("released", Some("queried"))
+        );
+        assert!(
+            identity.is_some(),
+            "a query permit names the step's request identity"
+        );
+    }
     decisions_taken_once(&pool).await?;
     pool.close().await;
     ledger.close().await;

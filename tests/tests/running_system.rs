@@ -662,8 +662,8 @@ async fn a_step_not_started_within_its_schedule_to_start_deadline_fails_having_s
 /// forever: past its waiting budget (`max_waits`) the step fails, saying why, with no effect at
 /// the destination, and its workflow fails with it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_destination_that_always_answers_429_ends_the_step_past_its_waiting_budget()
--> Result<()> {
+async fn a_destination_that_always_answers_429_ends_the_step_past_its_waiting_budget() -> Result<()>
+{
     let cluster = Cluster::start(1, 1, 4).await?;
     let pool = cluster.db.pool(2).await?;
     let ledger = cluster.ledger_pool().await?;
@@ -677,7 +677,9 @@ async fn a_destination_that_always_answers_429_ends_the_step_past_its_waiting_bu
         ..Default::default()
     });
     let ids = submit(&cluster, vec![req]).await?;
-    cluster.wait_all_ended(&ids, Duration::from_secs(60)).await?;
+    cluster
+        .wait_all_ended(&ids, Duration::from_secs(60))
+        .await?;
 
     let (step, workflow): (String, String) = sqlx::query_as(
         "SELECT s.state::text, w.state::text FROM steps s JOIN workflows w ON w.id = s.workflow_id",
@@ -745,15 +747,16 @@ async fn a_refusal_the_policy_retries_is_sent_again_under_the_same_identity() ->
     )
     .await?;
     cluster.set_faults("flaky", json!({})).await?;
-    cluster.wait_all_ended(&ids, Duration::from_secs(60)).await?;
+    cluster
+        .wait_all_ended(&ids, Duration::from_secs(60))
+        .await?;
 
-    let states: HashMap<String, String> = sqlx::query_as(
-        "SELECT client_key, state::text FROM workflows",
-    )
-    .fetch_all(&pool)
-    .await?
-    .into_iter()
-    .collect();
+    let states: HashMap<String, String> =
+        sqlx::query_as("SELECT client_key, state::text FROM workflows")
+            .fetch_all(&pool)
+            .await?
+            .into_iter()
+            .collect();
     assert_eq!(states["refused-then-accepted"], "completed", "{states:?}");
     assert_eq!(states["refused-for-good"], "failed", "{states:?}");
     let flaky: Vec<(Option<String>, Option<String>)> = sqlx::query_as(
@@ -765,7 +768,10 @@ async fn a_refusal_the_policy_retries_is_sent_again_under_the_same_identity() ->
     assert_eq!(flaky.len(), 2, "{flaky:?}");
     assert_eq!(flaky[0].1.as_deref(), Some("refused"));
     assert_eq!(flaky[1].1, None);
-    assert!(flaky[0].0.is_some() && flaky[0].0 == flaky[1].0, "{flaky:?}");
+    assert!(
+        flaky[0].0.is_some() && flaky[0].0 == flaky[1].0,
+        "{flaky:?}"
+    );
     let attempts: Vec<String> = sqlx::query_scalar(
         "SELECT a.state::text FROM attempts a JOIN workflows w ON w.id = a.workflow_id
          WHERE w.client_key = 'refused-then-accepted' ORDER BY a.number",
@@ -777,7 +783,10 @@ async fn a_refusal_the_policy_retries_is_sent_again_under_the_same_identity() ->
         sqlx::query_scalar("SELECT count(*) FROM destination.requests WHERE route = 'bad'")
             .fetch_one(&ledger)
             .await?;
-    assert_eq!(bad, 1, "a refusal the policy does not name is not sent again");
+    assert_eq!(
+        bad, 1,
+        "a refusal the policy does not name is not sent again"
+    );
     check_receipts_against_ledger(&pool, &ledger, 1).await?;
     pool.close().await;
     ledger.close().await;
