@@ -792,3 +792,51 @@ async fn a_refusal_the_policy_retries_is_sent_again_under_the_same_identity() ->
     ledger.close().await;
     cluster.stop().await
 }
+
+/// A call far longer than its lease: the destination takes 20 s to answer, the lease is 3 s.
+/// The worker renews the lease while the call runs, so the step completes in one attempt, with
+/// one request, and recovery never has it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_longer_than_its_lease_completes_in_one_attempt_with_renewals() -> Result<()> {
+    let cluster = Cluster::start(1, 1, 4).await?;
+    let pool = cluster.db.pool(2).await?;
+    let ledger = cluster.ledger_pool().await?;
+    cluster
+        .set_faults("slow", json!({ "delay_ms": 20_000 }))
+        .await?;
+    let mut req = chain("long-call", "slow", 1);
+    req.steps[0].policy = Some(pb::LeasePolicy {
+        lease_ms: 3_000,
+        renew_every_ms: 1_000,
+        final_grace_ms: 1_000,
+        adapter_timeout_ms: 30_000,
+        attempt_deadline_ms: 40_000,
+        ..Default::default()
+    });
+    let ids = submit(&cluster, vec![req]).await?;
+    cluster
+        .wait_all_ended(&ids, Duration::from_secs(90))
+        .await?;
+
+    let (state, attempts, renewals, decisions): (String, i64, i64, i64) = sqlx::query_as(
+        "SELECT (SELECT state::text FROM workflows),
+                (SELECT count(*) FROM attempts),
+                (SELECT count(*) FROM step_events WHERE kind = 'lease_renewed'),
+                (SELECT count(*) FROM recovery_decisions)",
+    )
+    .fetch_one(&pool)
+    .await?;
+    assert_eq!(state, "completed");
+    assert_eq!(attempts, 1, "one attempt");
+    assert_eq!(decisions, 0, "recovery never had the step");
+    // about one a second for 20 s; even a slow machine renews several times
+    assert!(renewals >= 5, "{renewals} renewals");
+    let requests: i64 = sqlx::query_scalar("SELECT count(*) FROM destination.requests")
+        .fetch_one(&ledger)
+        .await?;
+    assert_eq!(requests, 1);
+    check_receipts_against_ledger(&pool, &ledger, 1).await?;
+    pool.close().await;
+    ledger.close().await;
+    cluster.stop().await
+}
