@@ -449,9 +449,6 @@ impl Cluster {
         permit_limit: u32,
         extra: &[(&str, &str)],
     ) -> Result<()> {
-        self.gateways += 1;
-        let port = free_port()?;
-        let config = self.dir.join(format!("gateway-{}.toml", self.gateways));
         let adapter = |name: &str, capability: &str| {
             format!(
                 "[[adapters]]\nname = \"{name}\"\nversion = \"http/1\"\nbase_url = \"{}/{capability}\"\n\
@@ -463,7 +460,20 @@ impl Cluster {
         for c in ["idempotent", "queryable", "opaque"] {
             toml.push_str(&adapter(&format!("http-{c}"), c));
         }
-        std::fs::write(&config, toml)?;
+        self.add_gateway_serving(&toml, extra).await
+    }
+
+    /// Starts one more gateway serving the adapters of `adapters_toml` (its `[[adapters]]`
+    /// tables), with `extra` in its environment; it is registered once it listens.
+    pub async fn add_gateway_serving(
+        &mut self,
+        adapters_toml: &str,
+        extra: &[(&str, &str)],
+    ) -> Result<()> {
+        self.gateways += 1;
+        let port = free_port()?;
+        let config = self.dir.join(format!("gateway-{}.toml", self.gateways));
+        std::fs::write(&config, adapters_toml)?;
         let name = format!("gateway-{}", self.gateways);
         let p = self.spawn(
             &name,

@@ -918,8 +918,9 @@ async fn drive(
                 }
                 Deadline::Attempt => {
                     // 2 s stalled after the claim leave the call 8 - 0.5 - 2 = 5.5 s, short of
-                    // its 7.5 s adapter timeout; the lease (4 s) is renewed throughout
-                    p.lease_ms = 4_000;
+                    // its 7.5 s adapter timeout; the lease (5 s) outlasts the stall, and is
+                    // renewed from the call's start
+                    p.lease_ms = 5_000;
                     p.renew_every_ms = 1_000;
                     p.attempt_deadline_ms = 8_000;
                     p.adapter_timeout_ms = 7_500;

@@ -101,6 +101,8 @@ pub struct AdapterConfig {
     pub permit_hold_ms: u64,
     /// How long a permit keeps counting after an unknown outcome.
     pub safety_window_ms: u64,
+    /// How the adapter speaks to its API (by default z29c's own contract).
+    pub http: crate::contract::HttpContract,
 }
 
 impl Default for AdapterConfig {
@@ -114,6 +116,7 @@ impl Default for AdapterConfig {
             default_limit: 16,
             permit_hold_ms: 60_000,
             safety_window_ms: 120_000,
+            http: Default::default(),
         }
     }
 }
@@ -161,6 +164,9 @@ impl z29c_runtime::Validate for GatewayConfig {
                 }
                 Ok(())
             };
+            a.http.check(a.capability).map_err(|(f, why)| {
+                Invalid::new(field(&f), format!("{} adapter: {why}", a.capability))
+            })?;
             limit(field("default_limit"), a.default_limit)?;
             for (class, v) in &a.limits {
                 limit(field(&format!("limits.{class}")), *v)?;

@@ -1,5 +1,6 @@
-//! The HTTP adapter. A request is `POST {base}/v1/{operation}` with the request identity as
-//! `Idempotency-Key`; a status query is `GET {base}/v1/requests/{identity}`.
+//! The HTTP adapter, speaking each adapter's declared contract ([`crate::contract`]): by
+//! default `POST {base}/v1/{operation}` with the request identity as `Idempotency-Key`, and a
+//! status query `GET {base}/v1/requests/{identity}`.
 //!
 //! The mapping is deliberately conservative: only a definite answer is known. Anything that
 //! may have reached the service without an answer (timeout, reset, 5xx, a 409 for a request
@@ -7,7 +8,11 @@
 
 use std::time::{Duration, SystemTime};
 
+use reqwest::header::HeaderMap;
+
 use serde_json::Value;
+
+use crate::contract::{HttpContract, QueryContract, StatusMeaning, fill, reference_at};
 
 /// What one call established.
 #[derive(Debug, Clone, PartialEq)]
@@ -79,54 +84,60 @@ fn retry_after(value: Option<&str>, now: SystemTime) -> Duration {
     }
 }
 
-/// What an answer's status settles before its body is read: a rate limit (with its
-/// `Retry-After`), or a status that may hide an effect (5xx; a `409` for a keyed request
-/// whose twin is still being processed). `None`: the body decides.
-fn settled_by_status(status: u16, retry_after_header: Option<&str>) -> Option<CallOutcome> {
-    if status == 429 {
-        return Some(CallOutcome::RateLimited {
+/// What an answer's status settles before its body is read, by the adapter's contract: a rate
+/// limit (with its `Retry-After`), a request still in flight or a status no rule names
+/// (unknown: the effect may exist). `None`: the body decides (done, or refused).
+fn settled_by_status(
+    contract: &HttpContract,
+    status: u16,
+    retry_after_header: Option<&str>,
+) -> Option<CallOutcome> {
+    match contract.meaning(status) {
+        StatusMeaning::RateLimited => Some(CallOutcome::RateLimited {
             retry_after: retry_after(retry_after_header, SystemTime::now()),
-        });
-    }
-    if (500..600).contains(&status) {
-        return Some(CallOutcome::Unknown {
+        }),
+        // one with the same key is still being processed (the IETF Idempotency-Key draft;
+        // Stripe answers 409 so): its effect may yet commit, so this is "ask again later with
+        // the same key", never a refusal
+        StatusMeaning::InFlight
+            if !z29c_store::faults::broken(z29c_store::faults::Break::ConflictRefused) =>
+        {
+            Some(CallOutcome::Unknown {
+                reason: format!("{status}: a request with this identity is still in flight"),
+            })
+        }
+        StatusMeaning::InFlight | StatusMeaning::Done | StatusMeaning::Refused => None,
+        StatusMeaning::Unmatched => Some(CallOutcome::Unknown {
             reason: format!("server answered {status}"),
-        });
+        }),
     }
-    // 409 to a keyed request: one with the same key is still being processed (the IETF
-    // Idempotency-Key draft; Stripe answers so). Its effect may yet commit, so this is "ask
-    // again later with the same key", never a refusal.
-    if status == 409 && !z29c_store::faults::broken(z29c_store::faults::Break::ConflictRefused) {
-        return Some(CallOutcome::Unknown {
-            reason: "409 Conflict: a request with this idempotency key is still in flight".into(),
-        });
-    }
-    None
 }
 
-/// What an answer establishes from its status and body (or why the body could not be read):
-/// a success names its reference, or it proves nothing; another status is a refusal.
-fn settled_by_body(status: u16, body: Result<String, String>) -> CallOutcome {
+/// What an answer establishes from its status and body (or why the body could not be read): a
+/// success names its reference where the contract says, or it proves nothing; a refusal says
+/// why where the contract says.
+fn settled_by_body(
+    contract: &HttpContract,
+    status: u16,
+    body: Result<String, String>,
+) -> CallOutcome {
     let text = match body {
         Ok(t) => t,
         Err(reason) => return CallOutcome::Unknown { reason },
     };
     let result: Value = serde_json::from_str(&text).unwrap_or(Value::String(text));
-    if (200..300).contains(&status) {
-        match result.get("reference").and_then(Value::as_str) {
-            Some(reference) if !reference.is_empty() => CallOutcome::Succeeded {
-                reference: reference.to_owned(),
-                result,
-            },
-            _ => CallOutcome::Unknown {
-                reason: "success without a reference".into(),
+    if contract.meaning(status) == StatusMeaning::Done {
+        match reference_at(&result, &contract.reference) {
+            Some(reference) => CallOutcome::Succeeded { reference, result },
+            None => CallOutcome::Unknown {
+                reason: format!("success without a reference at {:?}", contract.reference),
             },
         }
     } else {
         CallOutcome::Rejected {
             status,
             reason: result
-                .get("error")
+                .pointer(&contract.refusal_reason)
                 .and_then(Value::as_str)
                 .unwrap_or("rejected")
                 .to_owned(),
@@ -134,23 +145,51 @@ fn settled_by_body(status: u16, body: Result<String, String>) -> CallOutcome {
     }
 }
 
-pub async fn invoke(
-    client: &reqwest::Client,
-    base_url: &str,
-    operation: &str,
-    key: &str,
-    body: &Value,
-    timeout: Duration,
-) -> CallOutcome {
-    let url = format!("{}/v1/{operation}", base_url.trim_end_matches('/'));
-    let sent = client
-        .post(url)
-        .header("Idempotency-Key", key)
-        .json(body)
-        .timeout(timeout)
-        .send()
-        .await;
-    let resp = match sent {
+/// One call to an adapter's API.
+#[derive(Debug, Clone, Copy)]
+pub struct Call<'a> {
+    pub contract: &'a HttpContract,
+    /// The contract's headers, secrets read.
+    pub headers: &'a HeaderMap,
+    pub base_url: &'a str,
+    pub operation: &'a str,
+    pub identity: &'a str,
+    pub input: &'a Value,
+    pub timeout: Duration,
+}
+
+pub async fn invoke(client: &reqwest::Client, call: Call<'_>) -> CallOutcome {
+    let c = call.contract;
+    let path = match fill(&c.path, call.operation, call.identity, call.input) {
+        Ok(p) => p,
+        // the step's input cannot make this request: nothing is sent, and no retry helps
+        Err(reason) => {
+            return CallOutcome::Rejected {
+                status: 0,
+                reason: format!("the request could not be built: {reason}"),
+            };
+        }
+    };
+    let url = format!("{}{path}", call.base_url.trim_end_matches('/'));
+    let method = reqwest::Method::from_bytes(c.method.as_bytes()).unwrap_or(reqwest::Method::POST);
+    let mut body = call.input.clone();
+    if !c.identity_field.is_empty()
+        && let Some(fields) = body.as_object_mut()
+    {
+        fields.insert(
+            c.identity_field.clone(),
+            Value::String(call.identity.to_owned()),
+        );
+    }
+    let mut request = client
+        .request(method, url)
+        .headers(call.headers.clone())
+        .json(&body)
+        .timeout(call.timeout);
+    if !c.idempotency_header.is_empty() {
+        request = request.header(c.idempotency_header.as_str(), call.identity);
+    }
+    let resp = match request.send().await {
         Ok(resp) => resp,
         Err(e) if e.is_connect() => {
             return CallOutcome::NotSent {
@@ -160,7 +199,7 @@ pub async fn invoke(
         Err(e) => {
             return CallOutcome::Unknown {
                 reason: if e.is_timeout() {
-                    format!("no answer within {} ms", timeout.as_millis())
+                    format!("no answer within {} ms", call.timeout.as_millis())
                 } else {
                     e.to_string()
                 },
@@ -172,20 +211,33 @@ pub async fn invoke(
         .headers()
         .get(reqwest::header::RETRY_AFTER)
         .and_then(|v| v.to_str().ok());
-    if let Some(outcome) = settled_by_status(status, header) {
+    if let Some(outcome) = settled_by_status(c, status, header) {
         return outcome;
     }
-    settled_by_body(status, read_bounded(resp).await)
+    settled_by_body(c, status, read_bounded(resp).await)
 }
 
-pub async fn query(
-    client: &reqwest::Client,
-    base_url: &str,
-    key: &str,
-    timeout: Duration,
-) -> QueryOutcome {
-    let url = format!("{}/v1/requests/{key}", base_url.trim_end_matches('/'));
-    let resp = match client.get(url).timeout(timeout).send().await {
+/// Asks the adapter's API about the request `identity`, by its contract's status query (which
+/// a queryable adapter has: the gateway checks at start).
+pub async fn query(client: &reqwest::Client, call: Call<'_>) -> QueryOutcome {
+    let Some(q) = &call.contract.query else {
+        return QueryOutcome::Unknown {
+            reason: "the adapter has no status query".into(),
+        };
+    };
+    let path = match fill(&q.path, call.operation, call.identity, call.input) {
+        Ok(p) => p,
+        Err(reason) => return QueryOutcome::Unknown { reason },
+    };
+    let url = format!("{}{path}", call.base_url.trim_end_matches('/'));
+    let method = reqwest::Method::from_bytes(q.method.as_bytes()).unwrap_or(reqwest::Method::GET);
+    let sent = client
+        .request(method, url)
+        .headers(call.headers.clone())
+        .timeout(call.timeout)
+        .send()
+        .await;
+    let resp = match sent {
         Ok(r) => r,
         Err(e) => {
             return QueryOutcome::Unknown {
@@ -193,47 +245,46 @@ pub async fn query(
             };
         }
     };
-    match query_settled_by_status(resp.status().as_u16()) {
-        Some(outcome) => outcome,
-        None => query_settled_by_body(read_bounded(resp).await),
-    }
+    let status = resp.status().as_u16();
+    let body = read_bounded(resp).await;
+    query_settled(q, status, body)
 }
 
-/// What a status query's status settles: "no such request" (404), "still being processed"
-/// (202, 409: not an answer yet, and not a "no"), anything but 200 (unknown). `None`: a 200,
-/// whose body decides.
-fn query_settled_by_status(status: u16) -> Option<QueryOutcome> {
-    match status {
-        200 => None,
-        404 => Some(QueryOutcome::NotFound),
+/// What a status query's answer establishes, by the contract's rules alone: found (with its
+/// reference), definitely not found, or unknown, which includes "still being processed" and
+/// every answer no rule names (a route the API does not have is not "never arrived").
+fn query_settled(q: &QueryContract, status: u16, body: Result<String, String>) -> QueryOutcome {
+    let in_flight = q.in_flight.iter().any(|p| p.matches(status));
+    if in_flight && z29c_store::faults::broken(z29c_store::faults::Break::InProgressAsNotFound) {
         // the broken build that takes "still being processed" for "never received"
-        202 | 409
-            if z29c_store::faults::broken(z29c_store::faults::Break::InProgressAsNotFound) =>
-        {
-            Some(QueryOutcome::NotFound)
-        }
-        202 | 409 => Some(QueryOutcome::Unknown {
-            reason: "the destination is still processing the request".into(),
-        }),
-        other => Some(QueryOutcome::Unknown {
-            reason: format!("status query answered {other}"),
-        }),
+        return QueryOutcome::NotFound;
     }
-}
-
-/// A 200 status answer: the effect, if it names its reference.
-fn query_settled_by_body(body: Result<String, String>) -> QueryOutcome {
-    match body.and_then(|t| serde_json::from_str::<Value>(&t).map_err(|e| e.to_string())) {
-        Ok(v) => match v.get("reference").and_then(Value::as_str) {
-            Some(r) => QueryOutcome::Found {
-                reference: r.to_owned(),
-                result: v.clone(),
-            },
-            None => QueryOutcome::Unknown {
-                reason: "status without a reference".into(),
-            },
+    if in_flight {
+        return QueryOutcome::Unknown {
+            reason: "the destination is still processing the request".into(),
+        };
+    }
+    let value = body
+        .as_ref()
+        .ok()
+        .and_then(|t| serde_json::from_str::<Value>(t).ok());
+    if let Some(reference) = q.found.matches(status, value.as_ref()) {
+        return QueryOutcome::Found {
+            reference,
+            result: value.unwrap_or(Value::Null),
+        };
+    }
+    if q.not_found
+        .iter()
+        .any(|r| r.matches(status, value.as_ref()).is_some())
+    {
+        return QueryOutcome::NotFound;
+    }
+    QueryOutcome::Unknown {
+        reason: match body {
+            Err(reason) => reason,
+            Ok(_) => format!("status query answered {status}, which no rule of the adapter names"),
         },
-        Err(reason) => QueryOutcome::Unknown { reason },
     }
 }
 
@@ -259,7 +310,7 @@ mod tests {
         ];
         for (header, ms) in cases {
             assert_eq!(
-                settled_by_status(429, header),
+                settled_by_status(&HttpContract::default(), 429, header),
                 Some(CallOutcome::RateLimited {
                     retry_after: Duration::from_millis(ms)
                 }),
@@ -292,18 +343,22 @@ mod tests {
 
     #[test]
     fn a_server_error_or_a_conflict_in_flight_is_unknown_never_a_refusal() {
-        for status in [409, 500, 502, 503, 504, 599] {
-            let o = settled_by_status(status, None).expect("settled by its status");
+        // a status no list of the contract names (a redirect not followed) is unknown too
+        for status in [409, 500, 502, 503, 504, 599, 301, 302] {
+            let o = settled_by_status(&HttpContract::default(), status, None)
+                .expect("settled by its status");
             assert!(unknown(&o), "{status}: {o:?}");
         }
     }
 
     #[test]
     fn other_statuses_leave_it_to_the_body() {
-        for status in [
-            200, 201, 202, 204, 301, 400, 401, 403, 404, 408, 410, 422, 425,
-        ] {
-            assert_eq!(settled_by_status(status, Some("5")), None, "{status}");
+        for status in [200, 201, 202, 204, 400, 401, 403, 404, 408, 410, 422, 425] {
+            assert_eq!(
+                settled_by_status(&HttpContract::default(), status, Some("5")),
+                None,
+                "{status}"
+            );
         }
     }
 
@@ -312,7 +367,11 @@ mod tests {
         let body = |s: &str| Ok(s.to_owned());
         for status in [200, 201] {
             assert_eq!(
-                settled_by_body(status, body(r#"{"reference":"r-1","x":2}"#)),
+                settled_by_body(
+                    &HttpContract::default(),
+                    status,
+                    body(r#"{"reference":"r-1","x":2}"#)
+                ),
                 CallOutcome::Succeeded {
                     reference: "r-1".into(),
                     result: serde_json::json!({"reference": "r-1", "x": 2}),
@@ -326,7 +385,7 @@ mod tests {
             (202, r#"{"status":"accepted"}"#),
             (204, ""),
         ] {
-            let o = settled_by_body(status, body(text));
+            let o = settled_by_body(&HttpContract::default(), status, body(text));
             assert!(unknown(&o), "{status} {text}: {o:?}");
         }
     }
@@ -334,7 +393,11 @@ mod tests {
     #[test]
     fn a_body_lost_or_too_large_is_unknown_whatever_the_status() {
         for status in [200, 201, 400] {
-            let o = settled_by_body(status, Err("answer lost while reading".into()));
+            let o = settled_by_body(
+                &HttpContract::default(),
+                status,
+                Err("answer lost while reading".into()),
+            );
             assert!(unknown(&o), "{status}: {o:?}");
         }
     }
@@ -342,14 +405,18 @@ mod tests {
     #[test]
     fn a_client_error_is_a_refusal_with_its_reason() {
         assert_eq!(
-            settled_by_body(400, Ok(r#"{"error":"card declined"}"#.into())),
+            settled_by_body(
+                &HttpContract::default(),
+                400,
+                Ok(r#"{"error":"card declined"}"#.into())
+            ),
             CallOutcome::Rejected {
                 status: 400,
                 reason: "card declined".into()
             }
         );
         assert_eq!(
-            settled_by_body(422, Ok("not json".into())),
+            settled_by_body(&HttpContract::default(), 422, Ok("not json".into())),
             CallOutcome::Rejected {
                 status: 422,
                 reason: "rejected".into()
@@ -358,37 +425,61 @@ mod tests {
     }
 
     #[test]
-    fn a_status_query_says_no_only_with_a_404() {
-        assert_eq!(query_settled_by_status(404), Some(QueryOutcome::NotFound));
-        assert_eq!(query_settled_by_status(200), None);
+    fn a_status_query_says_no_only_where_a_rule_says_so() {
+        let q = QueryContract::default();
+        let ok = |s: &str| Ok(s.to_owned());
+        assert_eq!(query_settled(&q, 404, ok("")), QueryOutcome::NotFound);
         for status in [202, 409, 400, 410, 429, 500, 503] {
             assert!(
                 matches!(
-                    query_settled_by_status(status),
-                    Some(QueryOutcome::Unknown { .. })
+                    query_settled(&q, status, ok("{}")),
+                    QueryOutcome::Unknown { .. }
                 ),
                 "{status}"
             );
         }
         assert_eq!(
-            query_settled_by_body(Ok(r#"{"reference":"r-9"}"#.into())),
+            query_settled(&q, 200, ok(r#"{"reference":"r-9"}"#)),
             QueryOutcome::Found {
                 reference: "r-9".into(),
                 result: serde_json::json!({"reference": "r-9"}),
             }
         );
-        for body in [
-            Ok("{}".to_owned()),
-            Ok("r-9".to_owned()),
-            Err("lost".to_owned()),
-        ] {
+        for body in [ok("{}"), ok("r-9"), Err("lost".to_owned())] {
             assert!(
                 matches!(
-                    query_settled_by_body(body.clone()),
+                    query_settled(&q, 200, body.clone()),
                     QueryOutcome::Unknown { .. }
                 ),
                 "{body:?}"
             );
         }
+        // a contract whose "not found" is an empty search: a 404 is no longer a "no"
+        let search = QueryContract {
+            path: "/shipments?reference={identity}".into(),
+            found: crate::contract::AnswerRule {
+                status: vec![crate::contract::StatusPattern::Exact(200)],
+                reference: Some("/data/0/id".into()),
+                empty: None,
+            },
+            not_found: vec![crate::contract::AnswerRule {
+                status: vec![crate::contract::StatusPattern::Exact(200)],
+                reference: None,
+                empty: Some("/data".into()),
+            }],
+            ..QueryContract::default()
+        };
+        assert_eq!(
+            query_settled(&search, 200, ok(r#"{"data":[]}"#)),
+            QueryOutcome::NotFound
+        );
+        assert!(matches!(
+            query_settled(&search, 404, ok("")),
+            QueryOutcome::Unknown { .. }
+        ));
+        assert!(matches!(
+            query_settled(&search, 200, ok(r#"{"data":[{"id":"shp_4"}]}"#)),
+            QueryOutcome::Found { reference, .. } if reference == "shp_4"
+        ));
     }
 }

@@ -9,10 +9,12 @@
 //!
 //! # Layout
 //! - [`config`]: the gateway's configuration and adapters.
-//! - [`http`]: the HTTP adapter (idempotency key header, status query, 429 + Retry-After).
+//! - [`contract`]: an adapter's declared HTTP contract (request, statuses, status query).
+//! - [`http`]: the HTTP adapter, speaking that contract.
 //! - [`service`]: the gRPC service and the permit discipline around each call.
 
 pub mod config;
+pub mod contract;
 pub mod http;
 pub mod service;
 
@@ -150,7 +152,7 @@ pub async fn run(
     } else {
         InvocationPath::Direct(store.clone())
     };
-    let service = service::Gateway::new(config.clone(), store, invocations);
+    let service = service::Gateway::new(config.clone(), store, invocations)?;
     // stopped after the server, which lets calls in flight finish first: their permits are
     // released too
     let serving_done = CancellationToken::new();

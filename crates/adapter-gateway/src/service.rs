@@ -30,9 +30,7 @@ use crate::http::{self, CallOutcome, QueryOutcome};
 const DEFAULT_CALL: Duration = Duration::from_secs(10);
 /// A call with less time than this left is not sent at all (nothing sent, retry later).
 const MIN_CALL: Duration = Duration::from_millis(20);
-/// The operation class of status queries: their permits count against its own limit (an
-/// adapter's `limits.status_query`, or its `default_limit`), apart from the calls'.
-pub const STATUS_CLASS: &str = "status_query";
+use z29c_core::capability::STATUS_QUERY_CLASS as STATUS_CLASS;
 /// When the permits are all taken, come back after this.
 const PERMIT_RETRY: Duration = Duration::from_millis(200);
 
@@ -54,12 +52,31 @@ pub struct Gateway {
     /// Operation classes this instance gave their adapter's default limit. Held across the
     /// write, so calls that find a class without a limit together wait for one write.
     defaults_set: Arc<tokio::sync::Mutex<HashSet<(String, String)>>>,
+    /// Each adapter's headers, secrets read at start.
+    headers: Arc<std::collections::HashMap<String, reqwest::header::HeaderMap>>,
 }
 
 impl Gateway {
-    pub fn new(config: GatewayConfig, store: Store, invocations: InvocationPath) -> Self {
+    /// The gateway's service; refused when an adapter's headers cannot be read (a secret's
+    /// variable unset, its file unreadable), naming the adapter and the header, never a value.
+    pub fn new(
+        config: GatewayConfig,
+        store: Store,
+        invocations: InvocationPath,
+    ) -> anyhow::Result<Self> {
         let calls = Arc::new(Semaphore::new(config.max_calls));
-        Self {
+        let headers = config
+            .adapters
+            .iter()
+            .map(|a| {
+                a.http
+                    .resolve_headers()
+                    .map(|h| (a.name.clone(), h))
+                    .map_err(|e| anyhow::anyhow!("adapter {:?}: {e}", a.name))
+            })
+            .collect::<anyhow::Result<_>>()?;
+        Ok(Self {
+            headers: Arc::new(headers),
             config,
             store,
             invocations,
@@ -68,6 +85,28 @@ impl Gateway {
             ended: Arc::default(),
             ended_added: Arc::default(),
             defaults_set: Arc::default(),
+        })
+    }
+
+    /// One call's description for the HTTP adapter.
+    fn http_call<'a>(
+        &'a self,
+        adapter: &'a AdapterConfig,
+        operation: &'a str,
+        identity: &'a str,
+        input: &'a serde_json::Value,
+        timeout: Duration,
+    ) -> http::Call<'a> {
+        static NONE: std::sync::LazyLock<reqwest::header::HeaderMap> =
+            std::sync::LazyLock::new(reqwest::header::HeaderMap::new);
+        http::Call {
+            contract: &adapter.http,
+            headers: self.headers.get(&adapter.name).unwrap_or(&NONE),
+            base_url: &adapter.base_url,
+            operation,
+            identity,
+            input,
+            timeout,
         }
     }
 
@@ -305,11 +344,7 @@ impl Gateway {
         } else {
             http::invoke(
                 &self.client,
-                &adapter.base_url,
-                &req.operation,
-                identity.as_str(),
-                &input,
-                left,
+                self.http_call(adapter, &req.operation, identity.as_str(), &input, left),
             )
             .await
         };
@@ -555,22 +590,39 @@ impl AdapterGateway for Gateway {
                 gateway: &self.config.id,
                 hold: timeout + ANSWER_RESERVE,
             };
-            let permit = match self
-                .take_permit(adapter, None, &permit_req, Ended::default())
-                .await?
-            {
-                Taken::Permit(p) => p,
-                Taken::Exhausted | Taken::NotBegun(_) => {
-                    let reason = format!(
-                        "no permit free for a status query (operation class {STATUS_CLASS:?} of adapter {:?} at its limit)",
-                        adapter.name
-                    );
-                    return Ok(Response::new(QueryResponse {
-                        status: Some(query_response::Status::Unknown(pb::Unknown { reason })),
-                    }));
+            // a full class is waited on, within the query's own time: an answer of "no
+            // permit" would count as a query unanswered, and enough of those ask a person
+            let until = tokio::time::Instant::now() + timeout;
+            let permit = loop {
+                match self
+                    .take_permit(adapter, None, &permit_req, Ended::default())
+                    .await?
+                {
+                    Taken::Permit(p) => break p,
+                    Taken::Exhausted | Taken::NotBegun(_)
+                        if tokio::time::Instant::now() + PERMIT_RETRY < until =>
+                    {
+                        tokio::time::sleep(PERMIT_RETRY).await;
+                    }
+                    Taken::Exhausted | Taken::NotBegun(_) => {
+                        let reason = format!(
+                            "no permit free for a status query within {} ms (operation class {STATUS_CLASS:?} of adapter {:?} at its limit)",
+                            timeout.as_millis(),
+                            adapter.name
+                        );
+                        return Ok(Response::new(QueryResponse {
+                            status: Some(query_response::Status::Unknown(pb::Unknown { reason })),
+                        }));
+                    }
                 }
             };
-            let answer = http::query(&self.client, &adapter.base_url, identity.as_str(), timeout).await;
+            let timeout = until.saturating_duration_since(tokio::time::Instant::now());
+            let no_input = serde_json::Value::Null;
+            let answer = http::query(
+                &self.client,
+                self.http_call(adapter, "", identity.as_str(), &no_input, timeout),
+            )
+            .await;
             if let Err(e) = self.store.release_permit(permit.id, "queried").await {
                 // it stops counting when its hold runs out
                 tracing::warn!(error = %e, permit = %permit.id, "status query permit release failed");

@@ -23,6 +23,11 @@ impl AdapterCapability {
     }
 }
 
+/// The operation class status queries take their permits in (an adapter's
+/// `limits.status_query`, or its default limit), apart from its calls' classes; no step's
+/// operation may take the name.
+pub const STATUS_QUERY_CLASS: &str = "status_query";
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -98,8 +98,8 @@ pub struct Waited {
 /// What follows one more wait without sending.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum AfterWait {
-    /// Within budget: the step is ready again after the wait.
-    Wait,
+    /// Within budget: the step is ready again after this wait.
+    Wait { after: Duration },
     /// Past budget, and no attempt may have sent: the step fails, for this reason.
     Fail(String),
     /// Past budget, but an earlier attempt may have sent: its effect may exist, so a person
@@ -118,13 +118,15 @@ pub enum AfterRefusal {
 
 impl RetryPolicy {
     /// How long a step waits before the retry that follows its `attempts_made`-th attempt:
-    /// exponential from `initial_backoff` by `backoff_multiplier`, with jitter in `[d, 2d)`,
-    /// never above `max_backoff`. A storm of failing steps spreads out instead of retrying in
-    /// lockstep.
+    /// `d`, then `d` times `backoff_multiplier` for each later one, with jitter in `[d, 2d)`,
+    /// `d` starting at `initial_backoff` and growing no further than half of `max_backoff`, so
+    /// that no wait passes `max_backoff` and waits at the cap still spread out. A storm of
+    /// failing steps spreads out instead of retrying in lockstep.
     pub fn backoff(&self, attempts_made: u32) -> Duration {
+        let cap = self.max_backoff / 2;
         backon::ExponentialBuilder::new()
-            .with_min_delay(self.initial_backoff)
-            .with_max_delay(self.max_backoff)
+            .with_min_delay(self.initial_backoff.min(cap))
+            .with_max_delay(cap)
             .with_factor(self.backoff_multiplier.0 as f32)
             .with_jitter()
             .without_max_times()
@@ -153,9 +155,11 @@ impl RetryPolicy {
     }
 
     /// Whether a step given back without sending (`why`: rate limited, no permit, …) may wait
-    /// `delay` more, having waited `so_far`. Past `max_waits` waits, or when the wait would take
-    /// it past `max_wait` in all, it ends now rather than wait for nothing: it fails when no
-    /// attempt may have sent, and goes to review when one may have.
+    /// `delay` more, having waited `so_far`. Every wait counts at least `initial_backoff` (a
+    /// `Retry-After: 0`, or a date already past, would otherwise come back at once, for ever).
+    /// Past `max_waits` waits, or when the wait would take it past `max_wait` in all, it ends
+    /// now rather than wait for nothing: it fails when no attempt may have sent, and goes to
+    /// review when one may have.
     pub fn after_wait(
         &self,
         so_far: Waited,
@@ -163,6 +167,7 @@ impl RetryPolicy {
         may_have_sent: bool,
         why: &str,
     ) -> AfterWait {
+        let delay = delay.max(self.initial_backoff);
         let waits = so_far.waits.saturating_add(1);
         let total = so_far.total.saturating_add(delay);
         let past = if self.max_waits > 0 && waits > self.max_waits {
@@ -178,7 +183,7 @@ impl RetryPolicy {
                 self.max_wait.as_millis()
             )
         } else {
-            return AfterWait::Wait;
+            return AfterWait::Wait { after: delay };
         };
         if may_have_sent {
             AfterWait::Review(format!(
@@ -192,10 +197,17 @@ impl RetryPolicy {
     /// Checks the policy against the bounds, naming the first offending field.
     pub fn validate(&self, bounds: &PlatformBounds) -> Result<(), PolicyError> {
         if self.initial_backoff.is_zero() || self.initial_backoff > self.max_backoff {
+            // name the field the submission set: a max_backoff_ms below the default initial
+            // backoff is the max's fault
+            let field = if self.initial_backoff == DEFAULT_INITIAL_BACKOFF {
+                "max_backoff_ms"
+            } else {
+                "initial_backoff_ms"
+            };
             return Err(err(
-                "initial_backoff_ms",
+                field,
                 format!(
-                    "{} ms must be positive and at most max_backoff_ms ({} ms)",
+                    "initial_backoff_ms ({} ms) must be positive and at most max_backoff_ms ({} ms)",
                     self.initial_backoff.as_millis(),
                     self.max_backoff.as_millis()
                 ),
@@ -353,12 +365,20 @@ mod tests {
             };
             for n in 1..12u32 {
                 let exp = initial as f64 * m.powi(n as i32 - 1);
-                let floor = ms(exp as u64).min(p.max_backoff);
-                for _ in 0..20 {
-                    let d = p.backoff(n);
-                    assert!(d >= floor, "attempt {n}: {d:?} below {floor:?}");
-                    assert!(d <= p.max_backoff, "attempt {n}: {d:?} above the cap");
+                let floor = ms(exp as u64).min(p.max_backoff / 2);
+                let samples: Vec<Duration> = (0..30).map(|_| p.backoff(n)).collect();
+                for d in &samples {
+                    assert!(*d >= floor, "attempt {n}: {d:?} below {floor:?}");
+                    assert!(
+                        *d < floor * 2,
+                        "attempt {n}: {d:?} not below {:?}",
+                        floor * 2
+                    );
+                    assert!(*d <= p.max_backoff, "attempt {n}: {d:?} above the cap");
                 }
+                // waits spread out, at the cap too
+                let distinct: std::collections::BTreeSet<_> = samples.iter().collect();
+                assert!(distinct.len() > 1, "attempt {n}: no jitter in {samples:?}");
             }
         }
         assert!(RetryPolicy::default().backoff(0) >= DEFAULT_INITIAL_BACKOFF);
@@ -423,13 +443,20 @@ mod tests {
             waits,
             total: ms(total),
         };
+        let wait = |after| AfterWait::Wait { after: ms(after) };
         assert_eq!(
             p.after_wait(w(0, 0), ms(1_000), false, "rate limited"),
-            AfterWait::Wait
+            wait(1_000)
         );
         assert_eq!(
             p.after_wait(w(2, 2_000), ms(1_000), true, "rate limited"),
-            AfterWait::Wait
+            wait(1_000)
+        );
+        // a wait of nothing counts the initial backoff: coming back at once, for ever, is not
+        // waiting
+        assert_eq!(
+            p.after_wait(w(0, 0), ms(0), false, "rate limited"),
+            wait(250)
         );
         // the fourth wait is past max_waits
         let AfterWait::Fail(why) = p.after_wait(w(3, 3_000), ms(1_000), false, "rate limited")
@@ -454,14 +481,19 @@ mod tests {
         ));
         assert_eq!(
             p.after_wait(w(1, 9_000), ms(1_000), false, "x"),
-            AfterWait::Wait
+            wait(1_000)
         );
         // no count limit by default; the total still bounds it
         let d = RetryPolicy::default();
         assert_eq!(
-            d.after_wait(w(1_000_000, 0), ms(200), false, "x"),
-            AfterWait::Wait
+            d.after_wait(w(1_000_000, 0), ms(300), false, "x"),
+            wait(300)
         );
+        // waits of nothing add up to the budget all the same
+        assert!(matches!(
+            d.after_wait(w(14_400, 3_600_000), ms(0), false, "x"),
+            AfterWait::Fail(_)
+        ));
         assert!(matches!(
             d.after_wait(w(1, 0), ms(7_200_000), false, "x"),
             AfterWait::Fail(_)
@@ -474,6 +506,13 @@ mod tests {
         RetryPolicy::default().validate(&b).unwrap();
         let base = RetryPolicy::default();
         let cases = [
+            (
+                "max_backoff_ms",
+                RetryPolicy {
+                    max_backoff: ms(100),
+                    ..base
+                },
+            ),
             (
                 "initial_backoff_ms",
                 RetryPolicy {

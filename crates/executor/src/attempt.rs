@@ -10,7 +10,8 @@ use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 use z29c_core::{
-    AfterRefusal, AfterWait, Checkpoint, Deadlines, ExternalReference, FenceReason, Outcome,
+    AdapterCapability, AfterRefusal, AfterWait, Checkpoint, Deadlines, ExternalReference,
+    FenceReason, Outcome,
 };
 use z29c_proto::v1::{InvokeRequest, invoke_response};
 use z29c_store::faults::{CrashPoint, crash_if_armed};
@@ -286,12 +287,22 @@ async fn attempt(
         }
         Some(invoke_response::Outcome::Rejected(r)) => {
             let status = u16::try_from(r.status).unwrap_or(0);
-            if step.policy.retry.retryable_statuses.contains(status)
-                && let AfterRefusal::Retry { after } =
-                    store.retry_refused(lease, status, &r.reason).await?
+            // a refusal is sent again only where the destination de-duplicates by request
+            // identity: a status taken for a refusal may still hide an effect
+            if gateway.capability == AdapterCapability::Idempotent
+                && step.policy.retry.retryable_statuses.contains(status)
             {
-                tracing::info!(step = %lease.step, status, after_ms = after.as_millis() as u64, "refused with a status the policy retries; trying again under the same request identity");
-                return Ok(());
+                match store.retry_refused(lease, status, &r.reason).await {
+                    Ok(AfterRefusal::Retry { after }) => {
+                        tracing::info!(step = %lease.step, status, after_ms = after.as_millis() as u64, "refused with a status the policy retries; trying again under the same request identity");
+                        return Ok(());
+                    }
+                    Ok(AfterRefusal::Final) => {}
+                    // the refusal is committed below, or kept as late evidence
+                    Err(e) => {
+                        tracing::warn!(step = %lease.step, error = %e, "could not schedule the retry of a refusal; recording the refusal")
+                    }
+                }
             }
             let result = serde_json::json!({ "status": r.status, "reason": r.reason });
             let o = observed(Outcome::Failed, None, result);
@@ -337,7 +348,7 @@ async fn attempt(
 /// Logs a wait that ended its step (its budget spent); the history says why.
 fn waited(after: AfterWait) {
     match after {
-        AfterWait::Wait => {}
+        AfterWait::Wait { .. } => {}
         AfterWait::Fail(reason) => {
             tracing::warn!(%reason, "the step waited past its budget and failed")
         }

@@ -92,6 +92,16 @@ impl z29c_runtime::Validate for SchedulerConfig {
         at_least_one("max_request_bytes", self.max_request_bytes)?;
         at_least_one("submission_batch", self.submission_batch)?;
         at_least_one("submission_committers", self.submission_committers)?;
+        // bounds that a step leaving its policy to the defaults could not meet would refuse
+        // every such submission: say so at start instead
+        z29c_core::LeasePolicy::default()
+            .validate(&self.bounds)
+            .map_err(|e| {
+                z29c_runtime::config::Invalid::new(
+                    "bounds",
+                    format!("the default step policy does not fit them: {e}"),
+                )
+            })?;
         Ok(())
     }
 }

@@ -142,6 +142,12 @@ pub fn new_workflow(req: pb::SubmitRequest) -> Result<NewWorkflow, Status> {
                     .map_err(|e| invalid(format!("steps[{i}].depends_on[{j}]"), e.reason))
             })
             .collect::<Result<_, _>>()?;
+        if s.operation == z29c_core::capability::STATUS_QUERY_CLASS {
+            return Err(invalid(
+                format!("steps[{i}].operation"),
+                "status_query is the operation class status queries take their permits in",
+            ));
+        }
         steps.push(NewStep {
             name,
             adapter: s.adapter,
@@ -288,8 +294,25 @@ impl Workflows {
                 format!("no gateway serves adapter {:?}", wf.steps[i].adapter),
             ));
         }
-        // a step's call must fit every gateway it may be sent to: none cuts it short
+        // a step's call must fit every gateway it may be sent to: none cuts it short; and a
+        // refusal is sent again only where every gateway's adapter de-duplicates
         for (i, s) in wf.steps.iter().enumerate() {
+            if !s.policy.retry.retryable_statuses.is_empty()
+                && let Some(capability) = gateways
+                    .iter()
+                    .flat_map(|g| &g.adapters)
+                    .filter(|a| a.name == s.adapter)
+                    .map(|a| a.capability)
+                    .find(|c| *c != z29c_core::AdapterCapability::Idempotent)
+            {
+                return Err(invalid(
+                    format!("steps[{i}].policy.retryable_statuses"),
+                    format!(
+                        "adapter {:?} is {capability}: a refusal is sent again only to an idempotent adapter, which de-duplicates by request identity",
+                        s.adapter
+                    ),
+                ));
+            }
             if let Some(max_call) = call_limit(&gateways, &s.adapter) {
                 s.policy
                     .fits_call_limit(max_call)

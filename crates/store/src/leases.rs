@@ -663,7 +663,7 @@ impl Store {
         reason: &str,
     ) -> Result<AfterRefusal> {
         let mut tx = self.begin().await?;
-        fence::fence(&mut tx, claim, FencedWrite::Release).await?;
+        let held = fence::fence(&mut tx, claim, FencedWrite::Release).await?;
         let (used, max_attempts, retry): (i64, i32, Option<Value>) = sqlx::query_as(
             "SELECT (SELECT count(*) FROM attempts a
                      WHERE a.step_id = s.id AND a.state <> 'released'),
@@ -679,15 +679,19 @@ impl Store {
             u32::try_from(used).unwrap_or(u32::MAX),
             u32::try_from(max_attempts).unwrap_or(0),
         );
-        drop(tx);
-        match decision {
-            AfterRefusal::Final => Ok(decision),
-            AfterRefusal::Retry { after } => {
-                self.release(claim, after, Giving::Refused { status, reason })
-                    .await?;
-                Ok(decision)
-            }
+        if let AfterRefusal::Retry { after } = decision {
+            // decided and carried out under one fence, in one transaction
+            release_in(
+                &mut tx,
+                claim,
+                &held,
+                after,
+                Giving::Refused { status, reason },
+            )
+            .await?;
+            tx.commit().await?;
         }
+        Ok(decision)
     }
 
     async fn release(
@@ -698,147 +702,7 @@ impl Store {
     ) -> Result<AfterWait> {
         let mut tx = self.begin().await?;
         let held = fence::fence(&mut tx, claim, FencedWrite::Release).await?;
-        if matches!(giving, Giving::Unbegun) && held.checkpoint >= Some(Checkpoint::InvocationBegan)
-        {
-            return Err(StoreError::Conflict(
-                "invocation began: the step can only be given to recovery".into(),
-            ));
-        }
-        let attempt_state = match giving {
-            Giving::Refused { .. } => AttemptState::Refused,
-            Giving::Unbegun | Giving::Waiting { .. } => AttemptState::Released,
-        };
-        sqlx::query(
-            "UPDATE attempts SET state = $2::attempt_state, updated_at = now() WHERE id = $1",
-        )
-        .bind(claim.attempt.as_uuid())
-        .bind(attempt_state.as_str())
-        .execute(&mut *tx)
-        .await?;
-        // the workflow's state as it is now, locked against a concurrent end (deadline,
-        // cancel), so a step is never made ready in a workflow that just ended; whether any
-        // attempt of the step, this one now released, may have sent its request; and what the
-        // step has waited so far
-        let (workflow_state, may_have_sent, waits, waited_ms, retry): (
-            String,
-            bool,
-            i32,
-            i64,
-            Option<Value>,
-        ) = sqlx::query_as(
-            "SELECT w.state::text, z29c_may_have_sent(s.id), s.waits, s.waited_ms, s.retry_policy
-             FROM workflows w JOIN steps s ON s.workflow_id = w.id
-             WHERE w.id = $1 AND s.id = $2 FOR SHARE OF w",
-        )
-        .bind(held.workflow)
-        .bind(claim.step.as_uuid())
-        .fetch_one(&mut *tx)
-        .await?;
-        let running = parse::<WorkflowState>(&workflow_state)? == WorkflowState::Running;
-        // an ended workflow stops the step; one whose earlier attempt may have had an effect
-        // is not cancelled but goes to review
-        let mut review = None;
-        let mut after = AfterWait::Wait;
-        if !running {
-            if may_have_sent && !faults::broken(Break::CurrentAttemptOnly) {
-                review = Some(
-                    "workflow ended after an earlier attempt's request may have been sent"
-                        .to_owned(),
-                );
-            }
-        } else if let Giving::Waiting { why } = giving {
-            let so_far = Waited {
-                waits: u32::try_from(waits).unwrap_or(0),
-                total: Duration::from_millis(u64::try_from(waited_ms).unwrap_or(0)),
-            };
-            after =
-                crate::retry_policy_from_row(retry)?.after_wait(so_far, delay, may_have_sent, why);
-            match &after {
-                AfterWait::Wait => {}
-                AfterWait::Review(reason) => review = Some(reason.clone()),
-                AfterWait::Fail(reason) => {
-                    crate::ending::fail_by_policy(
-                        &mut tx,
-                        held.workflow,
-                        NewEvent::by(
-                            claim,
-                            held.workflow,
-                            EventKind::FailedByPolicy,
-                            json!({ "reason": reason, "waits": so_far.waits + 1,
-                                    "waited_ms": waited_ms }),
-                        ),
-                        "a step waited past its budget without sending",
-                    )
-                    .await?;
-                    tx.commit().await?;
-                    return Ok(after);
-                }
-            }
-        }
-        let next = match (running, &review) {
-            (_, Some(_)) => StepState::NeedsReview,
-            (true, None) => StepState::Ready,
-            (false, None) => StepState::Cancelled,
-        };
-        sqlx::query(
-            "UPDATE steps
-             SET state = $2::step_state, lease_owner = NULL, leased_at = NULL, expires_at = NULL,
-                 next_eligible_at = now() + $3::bigint * interval '1 millisecond',
-                 waits = waits + $4, waited_ms = waited_ms + $5,
-                 updated_at = now()
-             WHERE id = $1",
-        )
-        .bind(claim.step.as_uuid())
-        .bind(next.as_str())
-        .bind(millis(delay))
-        .bind(i32::from(matches!(giving, Giving::Waiting { .. })))
-        .bind(if matches!(giving, Giving::Waiting { .. }) {
-            millis(delay)
-        } else {
-            0
-        })
-        .execute(&mut *tx)
-        .await?;
-        if let Some(reason) = &review {
-            open_review(&mut tx, held.workflow, claim.step.as_uuid(), reason).await?;
-            events::append(
-                &mut tx,
-                NewEvent::by(
-                    claim,
-                    held.workflow,
-                    EventKind::ReviewOpened,
-                    json!({ "reason": reason }),
-                ),
-            )
-            .await?;
-        }
-        let (kind, detail) = match giving {
-            Giving::Unbegun => (
-                EventKind::LeaseReleased,
-                json!({ "retry_after_ms": millis(delay), "state": next.as_str() }),
-            ),
-            Giving::Waiting { why } => (
-                EventKind::RateLimited,
-                json!({ "retry_after_ms": millis(delay), "state": next.as_str(), "why": why,
-                        "waits": waits + 1 }),
-            ),
-            Giving::Refused { status, reason } => (
-                EventKind::RetryScheduled,
-                json!({ "retry_after_ms": millis(delay), "state": next.as_str(),
-                        "status": status, "reason": reason }),
-            ),
-        };
-        events::append(&mut tx, NewEvent::by(claim, held.workflow, kind, detail)).await?;
-        if next == StepState::Ready && delay.is_zero() {
-            outbox::enqueue(
-                &mut tx,
-                MessageKind::StepReady,
-                held.workflow,
-                Some(claim.step.as_uuid()),
-                json!({}),
-            )
-            .await?;
-        }
+        let after = release_in(&mut tx, claim, &held, delay, giving).await?;
         tx.commit().await?;
         Ok(after)
     }
@@ -866,6 +730,165 @@ impl Store {
         tx.commit().await?;
         Ok(())
     }
+}
+
+/// Gives the step back under the lease `held` was fenced with (see [`Store::release_rate_limited`],
+/// [`Store::release_unbegun`], [`Store::retry_refused`]), inside the caller's transaction.
+async fn release_in(
+    tx: &mut PgConnection,
+    claim: &LeaseClaim,
+    held: &Held,
+    delay: Duration,
+    giving: Giving<'_>,
+) -> Result<AfterWait> {
+    if matches!(giving, Giving::Unbegun) && held.checkpoint >= Some(Checkpoint::InvocationBegan) {
+        return Err(StoreError::Conflict(
+            "invocation began: the step can only be given to recovery".into(),
+        ));
+    }
+    let attempt_state = match giving {
+        Giving::Refused { .. } => AttemptState::Refused,
+        Giving::Unbegun | Giving::Waiting { .. } => AttemptState::Released,
+    };
+    sqlx::query("UPDATE attempts SET state = $2::attempt_state, updated_at = now() WHERE id = $1")
+        .bind(claim.attempt.as_uuid())
+        .bind(attempt_state.as_str())
+        .execute(&mut *tx)
+        .await?;
+    // the workflow's state as it is now, locked against a concurrent end (deadline,
+    // cancel), so a step is never made ready in a workflow that just ended; whether any
+    // attempt of the step, this one now released, may have sent its request; and what the
+    // step has waited so far. A wait may end the workflow (its budget spent), so a wait locks
+    // it for that from the start: two siblings each holding a share lock and then asking for
+    // more would deadlock.
+    let lock = if matches!(giving, Giving::Waiting { .. }) {
+        "FOR NO KEY UPDATE OF w"
+    } else {
+        "FOR SHARE OF w"
+    };
+    let (workflow_state, may_have_sent, waits, waited_ms, retry): (
+        String,
+        bool,
+        i32,
+        i64,
+        Option<Value>,
+    ) = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT w.state::text, z29c_may_have_sent(s.id), s.waits, s.waited_ms, s.retry_policy
+         FROM workflows w JOIN steps s ON s.workflow_id = w.id
+         WHERE w.id = $1 AND s.id = $2 {lock}"
+    )))
+    .bind(held.workflow)
+    .bind(claim.step.as_uuid())
+    .fetch_one(&mut *tx)
+    .await?;
+    let running = parse::<WorkflowState>(&workflow_state)? == WorkflowState::Running;
+    // an ended workflow stops the step; one whose earlier attempt may have had an effect
+    // is not cancelled but goes to review
+    let mut review = None;
+    let mut after = AfterWait::Wait { after: delay };
+    if !running {
+        if may_have_sent && !faults::broken(Break::CurrentAttemptOnly) {
+            review = Some(
+                "workflow ended after an earlier attempt's request may have been sent".to_owned(),
+            );
+        }
+    } else if let Giving::Waiting { why } = giving {
+        let so_far = Waited {
+            waits: u32::try_from(waits).unwrap_or(0),
+            total: Duration::from_millis(u64::try_from(waited_ms).unwrap_or(0)),
+        };
+        after = crate::retry_policy_from_row(retry)?.after_wait(so_far, delay, may_have_sent, why);
+        match &after {
+            AfterWait::Wait { .. } => {}
+            AfterWait::Review(reason) => review = Some(reason.clone()),
+            AfterWait::Fail(reason) => {
+                crate::ending::fail_by_policy(
+                    &mut *tx,
+                    held.workflow,
+                    NewEvent::by(
+                        claim,
+                        held.workflow,
+                        EventKind::FailedByPolicy,
+                        json!({ "reason": reason, "waits": so_far.waits + 1,
+                                "waited_ms": waited_ms }),
+                    ),
+                    "a step waited past its budget without sending",
+                )
+                .await?;
+                return Ok(after);
+            }
+        }
+    }
+    // every wait counts at least the step's initial backoff
+    let delay = match after {
+        AfterWait::Wait { after } => after,
+        _ => delay,
+    };
+    let next = match (running, &review) {
+        (_, Some(_)) => StepState::NeedsReview,
+        (true, None) => StepState::Ready,
+        (false, None) => StepState::Cancelled,
+    };
+    sqlx::query(
+        "UPDATE steps
+         SET state = $2::step_state, lease_owner = NULL, leased_at = NULL, expires_at = NULL,
+             next_eligible_at = now() + $3::bigint * interval '1 millisecond',
+             waits = waits + $4, waited_ms = waited_ms + $5,
+             updated_at = now()
+         WHERE id = $1",
+    )
+    .bind(claim.step.as_uuid())
+    .bind(next.as_str())
+    .bind(millis(delay))
+    .bind(i32::from(matches!(giving, Giving::Waiting { .. })))
+    .bind(if matches!(giving, Giving::Waiting { .. }) {
+        millis(delay)
+    } else {
+        0
+    })
+    .execute(&mut *tx)
+    .await?;
+    if let Some(reason) = &review {
+        open_review(&mut *tx, held.workflow, claim.step.as_uuid(), reason).await?;
+        events::append(
+            &mut *tx,
+            NewEvent::by(
+                claim,
+                held.workflow,
+                EventKind::ReviewOpened,
+                json!({ "reason": reason }),
+            ),
+        )
+        .await?;
+    }
+    let (kind, detail) = match giving {
+        Giving::Unbegun => (
+            EventKind::LeaseReleased,
+            json!({ "retry_after_ms": millis(delay), "state": next.as_str() }),
+        ),
+        Giving::Waiting { why } => (
+            EventKind::RateLimited,
+            json!({ "retry_after_ms": millis(delay), "state": next.as_str(), "why": why,
+                    "waits": waits + 1 }),
+        ),
+        Giving::Refused { status, reason } => (
+            EventKind::RetryScheduled,
+            json!({ "retry_after_ms": millis(delay), "state": next.as_str(),
+                    "status": status, "reason": reason }),
+        ),
+    };
+    events::append(&mut *tx, NewEvent::by(claim, held.workflow, kind, detail)).await?;
+    if next == StepState::Ready && delay.is_zero() {
+        outbox::enqueue(
+            &mut *tx,
+            MessageKind::StepReady,
+            held.workflow,
+            Some(claim.step.as_uuid()),
+            json!({}),
+        )
+        .await?;
+    }
+    Ok(after)
 }
 
 /// How a step is given back by its worker.
