@@ -5,6 +5,7 @@
 //! run in parallel and leave nothing behind.
 //!
 //! # Layout
+//! - [`apis`]: mock APIs of real shapes (payments, a carrier, notifications), with their own records.
 //! - [`cluster`]: real z29c processes (destination, gateways, scheduler, executors, recovery).
 //! - [`infra`]: PostgreSQL and NATS servers of a scenario's own, to crash and restart.
 //! - [`proxy`]: a TCP proxy to cut a service's database connection, or drop it at `COMMIT`.
@@ -146,6 +147,7 @@ impl TestDatabase {
     }
 }
 
+pub mod apis;
 pub mod cluster;
 pub mod history;
 pub mod infra;

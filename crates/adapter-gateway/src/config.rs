@@ -101,8 +101,22 @@ pub struct AdapterConfig {
     pub permit_hold_ms: u64,
     /// How long a permit keeps counting after an unknown outcome.
     pub safety_window_ms: u64,
+    /// `http`: the gateway speaks the API by `http`; `custom`: the gateway binary brings its
+    /// own implementation of this adapter ([`crate::adapter::Adapter`]).
+    pub kind: AdapterKind,
     /// How the adapter speaks to its API (by default z29c's own contract).
     pub http: crate::contract::HttpContract,
+}
+
+/// Who makes an adapter's calls.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AdapterKind {
+    /// The gateway, by the adapter's declared HTTP contract.
+    #[default]
+    Http,
+    /// An implementation the gateway binary was built with.
+    Custom,
 }
 
 impl Default for AdapterConfig {
@@ -116,6 +130,7 @@ impl Default for AdapterConfig {
             default_limit: 16,
             permit_hold_ms: 60_000,
             safety_window_ms: 120_000,
+            kind: AdapterKind::Http,
             http: Default::default(),
         }
     }
@@ -147,12 +162,6 @@ impl z29c_runtime::Validate for GatewayConfig {
                 return Err(Invalid::new(
                     field("name"),
                     format!("{:?} is served twice by this gateway", a.name),
-                ));
-            }
-            if !(a.base_url.starts_with("http://") || a.base_url.starts_with("https://")) {
-                return Err(Invalid::new(
-                    field("base_url"),
-                    format!("{:?} is not an http:// or https:// URL", a.base_url),
                 ));
             }
             let limit = |f: String, v: u32| {

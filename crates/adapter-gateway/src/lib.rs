@@ -8,11 +8,13 @@
 //! them, and adding an instance adds capacity.
 //!
 //! # Layout
+//! - [`adapter`]: the `Adapter` trait a custom gateway binary implements, and the HTTP adapter.
 //! - [`config`]: the gateway's configuration and adapters.
 //! - [`contract`]: an adapter's declared HTTP contract (request, statuses, status query).
 //! - [`http`]: the HTTP adapter, speaking that contract.
 //! - [`service`]: the gRPC service and the permit discipline around each call.
 
+pub mod adapter;
 pub mod config;
 pub mod contract;
 pub mod http;
@@ -28,7 +30,9 @@ use z29c_proto::v1::adapter_gateway_server::AdapterGatewayServer;
 use z29c_store::Store;
 use z29c_store::invocations::InvocationPath;
 
-pub use config::{AdapterConfig, GatewayConfig};
+pub use adapter::{Adapter, Adapters, Inquiry, Invocation};
+pub use config::{AdapterConfig, AdapterKind, GatewayConfig};
+pub use http::{CallOutcome, QueryOutcome};
 
 /// A running gateway's address, once it listens.
 #[derive(Debug, Clone)]
@@ -42,6 +46,19 @@ pub async fn run(
     shutdown: CancellationToken,
     ready: Option<tokio::sync::oneshot::Sender<Started>>,
 ) -> anyhow::Result<()> {
+    run_with(config, Adapters::new(), shutdown, ready).await
+}
+
+/// [`run`], for a gateway binary built with its own adapters: `custom` holds the
+/// implementations of the adapters its configuration marks `kind = "custom"`.
+pub async fn run_with(
+    config: GatewayConfig,
+    custom: Adapters,
+    shutdown: CancellationToken,
+    ready: Option<tokio::sync::oneshot::Sender<Started>>,
+) -> anyhow::Result<()> {
+    // every adapter made (secrets read) before anything else starts
+    let adapters = adapter::build(&config, custom)?;
     if let Some(addr) = config.shared.metrics_listen {
         z29c_telemetry::serve_prometheus(addr).context("serve /metrics")?;
         z29c_telemetry::zero_counters(&[z29c_telemetry::ATTEMPT_INVOCATIONS]);
@@ -152,7 +169,7 @@ pub async fn run(
     } else {
         InvocationPath::Direct(store.clone())
     };
-    let service = service::Gateway::new(config.clone(), store, invocations)?;
+    let service = service::Gateway::new(config.clone(), store, invocations, adapters);
     // stopped after the server, which lets calls in flight finish first: their permits are
     // released too
     let serving_done = CancellationToken::new();

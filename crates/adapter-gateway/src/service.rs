@@ -23,8 +23,9 @@ use z29c_store::leases::{Observation, Observed};
 use z29c_store::permits::{EndedPermit, Permit, PermitRequest};
 use z29c_store::{Store, StoreError};
 
+use crate::adapter::{Adapters, Inquiry, Invocation};
 use crate::config::{AdapterConfig, GatewayConfig};
-use crate::http::{self, CallOutcome, QueryOutcome};
+use crate::http::{CallOutcome, QueryOutcome};
 
 /// What a caller without a deadline gets (at most `grpc.max_deadline_ms`).
 const DEFAULT_CALL: Duration = Duration::from_secs(10);
@@ -40,7 +41,6 @@ pub struct Gateway {
     store: Store,
     /// How *invocation began* commits with its permit: each alone, or batched.
     invocations: InvocationPath,
-    client: reqwest::Client,
     /// This instance's own capacity: calls it runs at once (`max_calls`). The adapter's
     /// permit limit bounds all instances together; this bounds one, so another instance adds
     /// usable capacity up to that limit.
@@ -52,61 +52,38 @@ pub struct Gateway {
     /// Operation classes this instance gave their adapter's default limit. Held across the
     /// write, so calls that find a class without a limit together wait for one write.
     defaults_set: Arc<tokio::sync::Mutex<HashSet<(String, String)>>>,
-    /// Each adapter's headers, secrets read at start.
-    headers: Arc<std::collections::HashMap<String, reqwest::header::HeaderMap>>,
+    /// The adapters that make the calls, by name.
+    adapters: Made,
+}
+
+/// The adapters a gateway made, shown by name.
+#[derive(Clone)]
+struct Made(Arc<Adapters>);
+
+impl std::fmt::Debug for Made {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_set().entries(self.0.keys()).finish()
+    }
 }
 
 impl Gateway {
-    /// The gateway's service; refused when an adapter's headers cannot be read (a secret's
-    /// variable unset, its file unreadable), naming the adapter and the header, never a value.
+    /// The gateway's service, its calls made by `adapters` ([`crate::adapter::build`]).
     pub fn new(
         config: GatewayConfig,
         store: Store,
         invocations: InvocationPath,
-    ) -> anyhow::Result<Self> {
+        adapters: Adapters,
+    ) -> Self {
         let calls = Arc::new(Semaphore::new(config.max_calls));
-        let headers = config
-            .adapters
-            .iter()
-            .map(|a| {
-                a.http
-                    .resolve_headers()
-                    .map(|h| (a.name.clone(), h))
-                    .map_err(|e| anyhow::anyhow!("adapter {:?}: {e}", a.name))
-            })
-            .collect::<anyhow::Result<_>>()?;
-        Ok(Self {
-            headers: Arc::new(headers),
+        Self {
+            adapters: Made(Arc::new(adapters)),
             config,
             store,
             invocations,
-            client: reqwest::Client::new(),
             calls,
             ended: Arc::default(),
             ended_added: Arc::default(),
             defaults_set: Arc::default(),
-        })
-    }
-
-    /// One call's description for the HTTP adapter.
-    fn http_call<'a>(
-        &'a self,
-        adapter: &'a AdapterConfig,
-        operation: &'a str,
-        identity: &'a str,
-        input: &'a serde_json::Value,
-        timeout: Duration,
-    ) -> http::Call<'a> {
-        static NONE: std::sync::LazyLock<reqwest::header::HeaderMap> =
-            std::sync::LazyLock::new(reqwest::header::HeaderMap::new);
-        http::Call {
-            contract: &adapter.http,
-            headers: self.headers.get(&adapter.name).unwrap_or(&NONE),
-            base_url: &adapter.base_url,
-            operation,
-            identity,
-            input,
-            timeout,
         }
     }
 
@@ -342,11 +319,14 @@ impl Gateway {
                 reason: format!("{} ms left of the caller's deadline", left.as_millis()),
             }
         } else {
-            http::invoke(
-                &self.client,
-                self.http_call(adapter, &req.operation, identity.as_str(), &input, left),
-            )
-            .await
+            self.adapters.0[&adapter.name]
+                .invoke(Invocation {
+                    operation: &req.operation,
+                    identity: identity.as_str(),
+                    input: &input,
+                    timeout: left,
+                })
+                .await
         };
         #[cfg(feature = "faults")]
         if self.config.fault_crash_after_destination
@@ -617,12 +597,12 @@ impl AdapterGateway for Gateway {
                 }
             };
             let timeout = until.saturating_duration_since(tokio::time::Instant::now());
-            let no_input = serde_json::Value::Null;
-            let answer = http::query(
-                &self.client,
-                self.http_call(adapter, "", identity.as_str(), &no_input, timeout),
-            )
-            .await;
+            let answer = self.adapters.0[&adapter.name]
+                .query(Inquiry {
+                    identity: identity.as_str(),
+                    timeout,
+                })
+                .await;
             if let Err(e) = self.store.release_permit(permit.id, "queried").await {
                 // it stops counting when its hold runs out
                 tracing::warn!(error = %e, permit = %permit.id, "status query permit release failed");
