@@ -55,6 +55,10 @@ struct Books {
     in_flight: std::collections::HashSet<String>,
     /// Answers to lose next, per API.
     lose: HashMap<&'static str, usize>,
+    /// How long a charge takes to process, its key in flight meanwhile.
+    charge_ms: u64,
+    /// Requests answered `409` because their key was in flight.
+    conflicts: usize,
 }
 
 #[derive(Clone)]
@@ -104,6 +108,17 @@ impl Apis {
     /// The next `n` answers of `api` (`stripe`, `carrier`, `notify`) are lost after the effect.
     pub fn lose_answers(&self, api: &'static str, n: usize) {
         self.books.lock().expect("books").lose.insert(api, n);
+    }
+
+    /// Charges take this long to process from now on; a request with the same key meanwhile
+    /// is answered `409 Conflict`.
+    pub fn slow_charges(&self, ms: u64) {
+        self.books.lock().expect("books").charge_ms = ms;
+    }
+
+    /// Requests answered `409` because a request with their key was still being processed.
+    pub fn conflicts(&self) -> usize {
+        self.books.lock().expect("books").conflicts
     }
 
     pub fn received(&self, api: &str) -> Vec<Received> {
@@ -197,6 +212,7 @@ async fn charge(State(s): State<Shared>, headers: HeaderMap, Json(body): Json<Va
             return (StatusCode::OK, Json(answer.clone())).into_response();
         }
         if !books.in_flight.insert(k.clone()) {
+            books.conflicts += 1;
             return (
                 StatusCode::CONFLICT,
                 Json(json!({ "error": { "type": "idempotency_error",
@@ -205,14 +221,26 @@ async fn charge(State(s): State<Shared>, headers: HeaderMap, Json(body): Json<Va
                 .into_response();
         }
     }
-    let (id, lose) = s.effect("stripe", key.clone());
-    let answer = json!({ "id": id, "object": "charge", "amount": body.get("amount"),
-                         "status": "succeeded" });
-    if let Some(k) = &key {
-        let mut books = s.books.lock().expect("books");
-        books.in_flight.remove(k);
-        books.answers.insert(k.clone(), answer.clone());
-    }
+    // the charge is processed to its end whether or not its caller still waits, as a real
+    // API's would be
+    let processing = s.books.lock().expect("books").charge_ms;
+    let (books, amount) = (s.clone(), body.get("amount").cloned());
+    let key_for_task = key.clone();
+    let done = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(processing)).await;
+        let (id, lose) = books.effect("stripe", key_for_task.clone());
+        let answer = json!({ "id": id, "object": "charge", "amount": amount,
+                             "status": "succeeded" });
+        if let Some(k) = &key_for_task {
+            let mut b = books.books.lock().expect("books");
+            b.in_flight.remove(k);
+            b.answers.insert(k.clone(), answer.clone());
+        }
+        (answer, lose)
+    });
+    let Ok((answer, lose)) = done.await else {
+        return StatusCode::INTERNAL_SERVER_ERROR.into_response();
+    };
     if lose {
         return lost().await;
     }

@@ -244,6 +244,39 @@ async fn a_payments_api_is_called_with_its_key_and_its_reference_read_from_id() 
     for key in [STRIPE_KEY, WRONG_KEY] {
         assert!(!printed.contains(key), "a key in the printed configuration");
     }
+    // a charge slower than the call's time: its answer is unknown, and recovery sends it again
+    // under the same key while the first is still being processed; the API answers 409, read
+    // as "ask again later", until the first is done and its replay names the one charge
+    apis.slow_charges(6_000);
+    cluster
+        .add_recovery_with(&[("Z29C_RECOVERY_LEASE_MS", "1500")])
+        .await?;
+    let mut slow_paid = one_step("slow-paid", "stripe", "charges", json!({ "amount": 700 }));
+    if let Some(p) = slow_paid.steps[0].policy.as_mut() {
+        p.max_attempts = 5;
+    }
+    let slow = submit(&cluster, vec![slow_paid]).await?;
+    cluster
+        .wait_all_ended(&slow, Duration::from_secs(60))
+        .await?;
+    let (reference, identity): (String, String) = sqlx::query_as(
+        "SELECT r.external_reference, r.request_identity FROM step_receipts r
+         JOIN steps s ON s.id = r.step_id JOIN workflows w ON w.id = s.workflow_id
+         WHERE w.client_key = 'slow-paid' AND r.outcome = 'succeeded'",
+    )
+    .fetch_one(&pool)
+    .await?;
+    let made: Vec<_> = apis
+        .effects("stripe")
+        .into_iter()
+        .filter(|c| c.key.as_deref() == Some(identity.as_str()))
+        .collect();
+    assert_eq!(made.len(), 1, "one charge for the key: {made:?}");
+    assert_eq!(made[0].id, reference);
+    assert!(
+        apis.conflicts() > 0,
+        "a retry met the first request in flight"
+    );
     pool.close().await;
     cluster.stop().await
 }
@@ -344,7 +377,7 @@ async fn lost_answers_are_asked_about_by_each_apis_own_rules_and_never_sent_agai
 
 /// A gateway refuses to start with a capability its adapter's contract cannot support, naming
 /// the adapter's field: idempotent without an idempotency header, queryable without a rule
-/// for "not found".
+/// for "not found"; and with a secret it cannot read, naming where it was to come from.
 #[tokio::test]
 async fn a_gateway_refuses_a_capability_its_adapter_cannot_support() -> Result<()> {
     let dir = std::env::temp_dir().join(format!("z29c-adapters-{}", uuid::Uuid::now_v7()));
@@ -357,6 +390,10 @@ async fn a_gateway_refuses_a_capability_its_adapter_cannot_support() -> Result<(
         (
             "[[adapters]]\nname = \"ship\"\ncapability = \"queryable\"\n[adapters.http.query]\nnot_found = []\n",
             "adapters[0].http.query.not_found",
+        ),
+        (
+            "[[adapters]]\nname = \"pay\"\n[adapters.http.headers]\nAuthorization = { env = \"Z29C_TEST_SURELY_UNSET_KEY\", prefix = \"Bearer \" }\n",
+            "adapters[0].http.headers.Authorization: environment variable Z29C_TEST_SURELY_UNSET_KEY is not set",
         ),
     ] {
         let file = dir.join("gateway.toml");
@@ -376,4 +413,137 @@ async fn a_gateway_refuses_a_capability_its_adapter_cannot_support() -> Result<(
     }
     std::fs::remove_dir_all(&dir)?;
     Ok(())
+}
+
+/// An adapter arrives with the gateway that serves it. Work for it is refused, naming it,
+/// while no gateway serves it; accepted and run once one does. With that gateway gone, a step
+/// for its adapter waits (Waiting on an external service) without spending its attempts, and
+/// runs once the gateway is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_gateway_adds_its_adapter_and_without_it_steps_wait() -> Result<()> {
+    let apis = Apis::start(STRIPE_KEY).await?;
+    let mut cluster = Cluster::start_with(Topology {
+        recoveries: 1,
+        env: vec![("Z29C_RECOVERY_LEASE_MS".into(), "1500".into())],
+        ..Topology::default()
+    })
+    .await?;
+    // once a workflow for the first gateway's adapter completes, the registry is in use
+    let warm = submit(&cluster, vec![one_step("warm", "http", "warm", json!({}))]).await?;
+    cluster
+        .wait_all_ended(&warm, Duration::from_secs(60))
+        .await?;
+    let mut client = cluster.client().await?;
+    let refused = client
+        .submit(one_step(
+            "early",
+            "payments",
+            "charges",
+            json!({ "amount": 100 }),
+        ))
+        .await
+        .expect_err("no gateway serves payments yet");
+    assert_eq!(refused.code(), tonic::Code::InvalidArgument);
+    assert!(
+        refused.message().starts_with("steps[0].adapter:")
+            && refused.message().contains("\"payments\""),
+        "{}",
+        refused.message()
+    );
+
+    let env = [("Z29C_TEST_STRIPE_KEY", STRIPE_KEY)];
+    cluster
+        .add_gateway_serving(&stripe("payments", &apis.url, "Z29C_TEST_STRIPE_KEY"), &env)
+        .await?;
+    // accepted once the new gateway has registered
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    let paid = loop {
+        match client
+            .submit(one_step(
+                "paid",
+                "payments",
+                "charges",
+                json!({ "amount": 200 }),
+            ))
+            .await
+        {
+            Ok(r) => break r.into_inner().workflow.unwrap().id,
+            Err(s)
+                if s.code() == tonic::Code::InvalidArgument
+                    && tokio::time::Instant::now() < deadline =>
+            {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            Err(s) => anyhow::bail!("the new adapter was not accepted: {s}"),
+        }
+    };
+    cluster
+        .wait_all_ended(std::slice::from_ref(&paid), Duration::from_secs(60))
+        .await?;
+    assert_eq!(
+        product_state(&cluster, &paid).await?,
+        pb::ProductState::Completed
+    );
+
+    // the gateway goes (its registration outlives it for a while); the next step waits
+    cluster
+        .process("gateway-2")
+        .expect("gateway-2")
+        .kill()
+        .await?;
+    let waiting = submit(
+        &cluster,
+        vec![one_step(
+            "waiting",
+            "payments",
+            "charges",
+            json!({ "amount": 300 }),
+        )],
+    )
+    .await?;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while product_state(&cluster, &waiting[0]).await? != pb::ProductState::WaitingOnExternalService
+    {
+        anyhow::ensure!(
+            tokio::time::Instant::now() < deadline,
+            "the step did not wait for a gateway\n{}",
+            cluster.log_warnings()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // long enough to spend its three attempts several times over, were waits attempts
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    let pool = cluster.db.pool(2).await?;
+    let spent: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM attempts a JOIN workflows w ON w.id = a.workflow_id
+         WHERE w.client_key = 'waiting' AND a.state NOT IN ('released', 'active')",
+    )
+    .fetch_one(&pool)
+    .await?;
+    assert_eq!(spent, 0, "waiting for a gateway spent attempts");
+    let state = step_state(&pool, "waiting").await?;
+    assert!(state == "ready" || state == "leased", "{state}");
+    cluster.restart("gateway-2", &[]).await?;
+    cluster
+        .wait_all_ended(&waiting, Duration::from_secs(60))
+        .await?;
+    assert_eq!(
+        product_state(&cluster, &waiting[0]).await?,
+        pb::ProductState::Completed
+    );
+    assert_eq!(apis.effects("stripe").len(), 2, "one charge per step");
+    pool.close().await;
+    cluster.stop().await
+}
+
+async fn product_state(cluster: &Cluster, id: &str) -> Result<pb::ProductState> {
+    Ok(cluster
+        .client()
+        .await?
+        .get(pb::GetRequest {
+            workflow_id: id.to_owned(),
+        })
+        .await?
+        .into_inner()
+        .state())
 }

@@ -29,7 +29,7 @@ pub struct Invocation<'a> {
     pub identity: &'a str,
     /// The step's input.
     pub input: &'a Value,
-    /// The time the call has: answer within it, or the gateway answers *unknown* itself.
+    /// The time the call has: past it the gateway stops waiting and answers *unknown* itself.
     pub timeout: Duration,
 }
 
@@ -119,7 +119,11 @@ impl Adapter for HttpAdapter {
 /// secret, when one cannot be made (a secret's variable unset, its file unreadable) or a custom
 /// adapter has no implementation, or an implementation no configuration.
 pub fn build(config: &GatewayConfig, mut custom: Adapters) -> anyhow::Result<Adapters> {
-    let client = reqwest::Client::new();
+    // a redirect is never followed: it would send the request (and its headers) again,
+    // elsewhere; a 3xx no contract names reads as unknown
+    let client = reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .build()?;
     let mut adapters = Adapters::new();
     for a in &config.adapters {
         let adapter: Arc<dyn Adapter> = match a.kind {

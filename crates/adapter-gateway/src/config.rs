@@ -173,9 +173,22 @@ impl z29c_runtime::Validate for GatewayConfig {
                 }
                 Ok(())
             };
-            a.http.check(a.capability).map_err(|(f, why)| {
-                Invalid::new(field(&f), format!("{} adapter: {why}", a.capability))
-            })?;
+            if a.kind == AdapterKind::Http {
+                if !(a.base_url.starts_with("http://") || a.base_url.starts_with("https://")) {
+                    return Err(Invalid::new(
+                        field("base_url"),
+                        format!("{:?} is not an http:// or https:// URL", a.base_url),
+                    ));
+                }
+                a.http.check(a.capability).map_err(|(f, why)| {
+                    Invalid::new(field(&f), format!("{} adapter: {why}", a.capability))
+                })?;
+                // a secret that cannot be read stops the gateway here, before anything runs
+                // (and `--dump-config` says so), naming where it was to come from
+                a.http
+                    .check_secrets()
+                    .map_err(|(f, why)| Invalid::new(field(&f), why))?;
+            }
             limit(field("default_limit"), a.default_limit)?;
             for (class, v) in &a.limits {
                 limit(field(&format!("limits.{class}")), *v)?;

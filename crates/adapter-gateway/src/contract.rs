@@ -110,7 +110,7 @@ impl Default for QueryContract {
 }
 
 /// A rule that recognises an answer: one of `status`, and, when set, a non-empty string or
-/// number at `reference`, an empty array (or nothing) at `empty`.
+/// number at `reference`, an empty array at `empty` (in an answer that was read whole).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct AnswerRule {
@@ -128,15 +128,12 @@ impl AnswerRule {
         if !self.status.iter().any(|p| p.matches(status)) {
             return None;
         }
-        if let Some(pointer) = &self.empty {
-            let empty = match body.and_then(|b| b.pointer(pointer)) {
-                None | Some(Value::Null) => true,
-                Some(Value::Array(a)) => a.is_empty(),
-                Some(_) => false,
-            };
-            if !empty {
-                return None;
-            }
+        // "empty" is read, never assumed: an answer that could not be read, or lacks the
+        // pointer, says nothing
+        if let Some(pointer) = &self.empty
+            && !matches!(body.and_then(|b| b.pointer(pointer)), Some(Value::Array(a)) if a.is_empty())
+        {
+            return None;
         }
         match &self.reference {
             Some(pointer) => reference_at(body?, pointer),
@@ -270,7 +267,7 @@ impl HttpContract {
                 format!("{:?} is not an HTTP method", self.method),
             )
         })?;
-        check_template("path", &self.path)?;
+        check_template("path", &self.path, false)?;
         for pointer in [&self.reference, &self.refusal_reason] {
             if !pointer.is_empty() && !pointer.starts_with('/') {
                 return bad(
@@ -309,7 +306,18 @@ impl HttpContract {
                             format!("{:?} is not an HTTP method", q.method),
                         )
                     })?;
-                    check_template("query.path", &q.path)?;
+                    check_template("query.path", &q.path, true)?;
+                    for (f, pointer) in
+                        std::iter::once(("query.found.reference", &q.found.reference)).chain(
+                            q.not_found
+                                .iter()
+                                .map(|r| ("query.not_found.empty", &r.empty)),
+                        )
+                    {
+                        if pointer.as_ref().is_some_and(|p| !p.starts_with('/')) {
+                            return bad(f, "a JSON pointer starts with /".into());
+                        }
+                    }
                     if q.found.status.is_empty() || q.found.reference.is_none() {
                         return bad(
                             "query.found",
@@ -327,6 +335,27 @@ impl HttpContract {
             },
             _ => Ok(()),
         }
+    }
+
+    /// Checks that every secret header can be read (its variable set, its file readable),
+    /// without reading it into anything shown; the error names the header and the source.
+    pub fn check_secrets(&self) -> Result<(), (String, String)> {
+        for (name, source) in &self.headers {
+            let field = format!("http.headers.{name}");
+            match source {
+                HeaderSource::Literal(_) => {}
+                HeaderSource::Env { env, .. } => {
+                    if std::env::var_os(env).is_none() {
+                        return Err((field, format!("environment variable {env} is not set")));
+                    }
+                }
+                HeaderSource::File { file, .. } => {
+                    std::fs::File::open(file)
+                        .map_err(|e| (field, format!("{}: {e}", file.display())))?;
+                }
+            }
+        }
+        Ok(())
     }
 
     /// The headers of every request, secrets read now (marked sensitive, so no log shows
@@ -359,7 +388,7 @@ impl HttpContract {
     }
 }
 
-fn check_template(field: &str, template: &str) -> Result<(), (String, String)> {
+fn check_template(field: &str, template: &str, query: bool) -> Result<(), (String, String)> {
     let bad = |why: String| Err((format!("http.{field}"), why));
     if !template.starts_with('/') {
         return bad(format!("{template:?} must start with /"));
@@ -370,13 +399,20 @@ fn check_template(field: &str, template: &str) -> Result<(), (String, String)> {
             return bad(format!("{template:?}: a {{ without its }}"));
         };
         let name = &rest[open + 1..open + close];
-        if !(name == "operation"
-            || name == "identity"
-            || name.strip_prefix("input.").is_some_and(|f| !f.is_empty()))
-        {
-            return bad(format!(
-                "{template:?}: {{{name}}} is not one of {{operation}}, {{identity}}, {{input.FIELD}}"
-            ));
+        let known = name == "identity"
+            || (!query
+                && (name == "operation"
+                    || name.strip_prefix("input.").is_some_and(|f| !f.is_empty())));
+        if !known {
+            return bad(if query {
+                format!(
+                    "{template:?}: a status query knows only the request's {{identity}}, not {{{name}}}"
+                )
+            } else {
+                format!(
+                    "{template:?}: {{{name}}} is not one of {{operation}}, {{identity}}, {{input.FIELD}}"
+                )
+            });
         }
         rest = &rest[open + close + 1..];
     }
@@ -525,6 +561,21 @@ mod tests {
             bad_path.check(AdapterCapability::Opaque).unwrap_err().0,
             "http.path"
         );
+        // a status query knows the identity alone: a path naming more would be asked wrongly
+        for path in ["/v1/{operation}/{identity}", "/q/{input.id}"] {
+            let asks_more = HttpContract {
+                query: Some(QueryContract {
+                    path: path.into(),
+                    ..QueryContract::default()
+                }),
+                ..HttpContract::default()
+            };
+            assert_eq!(
+                asks_more.check(AdapterCapability::Queryable).unwrap_err().0,
+                "http.query.path",
+                "{path}"
+            );
+        }
         HttpContract::default()
             .check(AdapterCapability::Queryable)
             .unwrap();
@@ -551,6 +602,10 @@ mod tests {
             Some("")
         );
         assert_eq!(none.matches(200, Some(&hit)), None);
+        // nothing read, or no such pointer, is not "empty": it says nothing
+        assert_eq!(none.matches(200, None), None);
+        assert_eq!(none.matches(200, Some(&json!({ "items": [] }))), None);
+        assert_eq!(none.matches(200, Some(&json!({ "data": null }))), None);
     }
 
     #[test]

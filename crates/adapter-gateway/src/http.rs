@@ -21,7 +21,8 @@ pub enum CallOutcome {
         reference: String,
         result: Value,
     },
-    /// A definite refusal (4xx other than 429): the effect did not happen.
+    /// A definite refusal (a status the contract lists as refused; status 0: the request could
+    /// not be built from the step's input, and nothing was sent): the effect did not happen.
     Rejected {
         status: u16,
         reason: String,
@@ -173,9 +174,18 @@ pub async fn invoke(client: &reqwest::Client, call: Call<'_>) -> CallOutcome {
     let url = format!("{}{path}", call.base_url.trim_end_matches('/'));
     let method = reqwest::Method::from_bytes(c.method.as_bytes()).unwrap_or(reqwest::Method::POST);
     let mut body = call.input.clone();
-    if !c.identity_field.is_empty()
-        && let Some(fields) = body.as_object_mut()
-    {
+    if !c.identity_field.is_empty() {
+        // the identity is where a status query will look for it, or nothing is sent: a
+        // request the query cannot find would read as "never arrived"
+        let Some(fields) = body.as_object_mut() else {
+            return CallOutcome::Rejected {
+                status: 0,
+                reason: format!(
+                    "the request could not be built: the step's input is not a JSON object, so it cannot carry {:?}",
+                    c.identity_field
+                ),
+            };
+        };
         fields.insert(
             c.identity_field.clone(),
             Value::String(call.identity.to_owned()),
@@ -191,7 +201,8 @@ pub async fn invoke(client: &reqwest::Client, call: Call<'_>) -> CallOutcome {
     }
     let resp = match request.send().await {
         Ok(resp) => resp,
-        Err(e) if e.is_connect() => {
+        // not connected, or not even built: nothing left
+        Err(e) if e.is_connect() || e.is_builder() => {
             return CallOutcome::NotSent {
                 reason: e.to_string(),
             };
@@ -343,7 +354,8 @@ mod tests {
 
     #[test]
     fn a_server_error_or_a_conflict_in_flight_is_unknown_never_a_refusal() {
-        // a status no list of the contract names (a redirect not followed) is unknown too
+        // a status no list of the contract names (a redirect, which is never followed) is
+        // unknown too
         for status in [409, 500, 502, 503, 504, 599, 301, 302] {
             let o = settled_by_status(&HttpContract::default(), status, None)
                 .expect("settled by its status");
@@ -421,6 +433,34 @@ mod tests {
                 status: 422,
                 reason: "rejected".into()
             }
+        );
+    }
+
+    #[tokio::test]
+    async fn an_identity_field_the_input_cannot_carry_sends_nothing() {
+        let contract = HttpContract {
+            identity_field: "customer_reference".into(),
+            ..HttpContract::default()
+        };
+        let headers = HeaderMap::new();
+        let input = serde_json::json!(["not", "an", "object"]);
+        let outcome = invoke(
+            &reqwest::Client::new(),
+            Call {
+                contract: &contract,
+                headers: &headers,
+                // nothing listens here: a request sent would be "not sent", not a refusal
+                base_url: "http://127.0.0.1:9",
+                operation: "ship",
+                identity: "z29c:w:s",
+                input: &input,
+                timeout: Duration::from_secs(1),
+            },
+        )
+        .await;
+        assert!(
+            matches!(&outcome, CallOutcome::Rejected { status: 0, reason } if reason.contains("customer_reference")),
+            "{outcome:?}"
         );
     }
 

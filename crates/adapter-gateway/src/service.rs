@@ -319,14 +319,18 @@ impl Gateway {
                 reason: format!("{} ms left of the caller's deadline", left.as_millis()),
             }
         } else {
-            self.adapters.0[&adapter.name]
-                .invoke(Invocation {
-                    operation: &req.operation,
-                    identity: identity.as_str(),
-                    input: &input,
-                    timeout: left,
-                })
+            // the adapter answers within the call's time, or it is unknown
+            let call = self.adapters.0[&adapter.name].invoke(Invocation {
+                operation: &req.operation,
+                identity: identity.as_str(),
+                input: &input,
+                timeout: left,
+            });
+            tokio::time::timeout(left, call)
                 .await
+                .unwrap_or_else(|_| CallOutcome::Unknown {
+                    reason: format!("no answer within {} ms", left.as_millis()),
+                })
         };
         #[cfg(feature = "faults")]
         if self.config.fault_crash_after_destination
@@ -597,12 +601,15 @@ impl AdapterGateway for Gateway {
                 }
             };
             let timeout = until.saturating_duration_since(tokio::time::Instant::now());
-            let answer = self.adapters.0[&adapter.name]
-                .query(Inquiry {
-                    identity: identity.as_str(),
-                    timeout,
-                })
-                .await;
+            let asked = self.adapters.0[&adapter.name].query(Inquiry {
+                identity: identity.as_str(),
+                timeout,
+            });
+            let answer = tokio::time::timeout(timeout, asked)
+                .await
+                .unwrap_or_else(|_| QueryOutcome::Unknown {
+                    reason: format!("no answer within {} ms", timeout.as_millis()),
+                });
             if let Err(e) = self.store.release_permit(permit.id, "queried").await {
                 // it stops counting when its hold runs out
                 tracing::warn!(error = %e, permit = %permit.id, "status query permit release failed");

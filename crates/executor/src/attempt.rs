@@ -260,6 +260,21 @@ async fn attempt(
     let response = match answer {
         Ok(r) => r.into_inner(),
         Err(status) => {
+            // a gateway that never began the invocation sent nothing (it commits *invocation
+            // began* before it sends, and the fenced release below means it never will under
+            // this lease): the step waits, within its budget, for a gateway to answer
+            let why = format!("gateway unreachable: {}", status.message());
+            match store.release_unsent(lease, GATEWAY_RETRY, &why).await {
+                Ok(after) => {
+                    tracing::warn!(gateway = %gateway.gateway, %status, "gateway call failed before the invocation began; the step waits");
+                    waited(after);
+                    return Ok(());
+                }
+                Err(StoreError::Conflict(_)) => {}
+                Err(e) => {
+                    tracing::warn!(error = %e, "could not give the step back; handing it to recovery");
+                }
+            }
             // the gateway may have called out before failing: unknown, recovery decides
             counter!(z29c_telemetry::STEP_UNKNOWN_OUTCOMES).increment(1);
             tracing::warn!(gateway = %gateway.gateway, %status, "gateway call failed; handing to recovery");
@@ -344,6 +359,9 @@ async fn attempt(
     }
     Ok(())
 }
+
+/// How long a step waits when no gateway serves its adapter, or none could be reached.
+const GATEWAY_RETRY: Duration = Duration::from_secs(2);
 
 /// Logs a wait that ended its step (its budget spent); the history says why.
 fn waited(after: AfterWait) {

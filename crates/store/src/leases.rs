@@ -638,7 +638,28 @@ impl Store {
         retry_after: Duration,
         why: &str,
     ) -> Result<AfterWait> {
-        self.release(claim, retry_after, Giving::Waiting { why })
+        self.release(
+            claim,
+            retry_after,
+            Giving::Waiting {
+                why,
+                unbegun: false,
+            },
+        )
+        .await
+    }
+
+    /// Gives the step back to wait, as [`Store::release_rate_limited`], when its worker could
+    /// not reach a gateway and *invocation began* is not on record: the gateway commits that
+    /// before it sends, and this release, fenced, means it never will under this lease, so
+    /// nothing was sent. A conflict when the invocation began: only recovery may decide then.
+    pub async fn release_unsent(
+        &self,
+        claim: &LeaseClaim,
+        retry_after: Duration,
+        why: &str,
+    ) -> Result<AfterWait> {
+        self.release(claim, retry_after, Giving::Waiting { why, unbegun: true })
             .await
     }
 
@@ -741,7 +762,11 @@ async fn release_in(
     delay: Duration,
     giving: Giving<'_>,
 ) -> Result<AfterWait> {
-    if matches!(giving, Giving::Unbegun) && held.checkpoint >= Some(Checkpoint::InvocationBegan) {
+    let unbegun = matches!(
+        giving,
+        Giving::Unbegun | Giving::Waiting { unbegun: true, .. }
+    );
+    if unbegun && held.checkpoint >= Some(Checkpoint::InvocationBegan) {
         return Err(StoreError::Conflict(
             "invocation began: the step can only be given to recovery".into(),
         ));
@@ -750,11 +775,24 @@ async fn release_in(
         Giving::Refused { .. } => AttemptState::Refused,
         Giving::Unbegun | Giving::Waiting { .. } => AttemptState::Released,
     };
-    sqlx::query("UPDATE attempts SET state = $2::attempt_state, updated_at = now() WHERE id = $1")
-        .bind(claim.attempt.as_uuid())
-        .bind(attempt_state.as_str())
-        .execute(&mut *tx)
-        .await?;
+    // an unbegun release asks the attempt's own row, in the update: a gateway committing
+    // *invocation began* at this moment holds that row, and the fence's read of it may be
+    // from before that commit
+    let ended = sqlx::query(
+        "UPDATE attempts SET state = $2::attempt_state, updated_at = now()
+         WHERE id = $1 AND (NOT $3 OR checkpoint < 'invocation_began')",
+    )
+    .bind(claim.attempt.as_uuid())
+    .bind(attempt_state.as_str())
+    .bind(unbegun)
+    .execute(&mut *tx)
+    .await?
+    .rows_affected();
+    if ended == 0 {
+        return Err(StoreError::Conflict(
+            "invocation began: the step can only be given to recovery".into(),
+        ));
+    }
     // the workflow's state as it is now, locked against a concurrent end (deadline,
     // cancel), so a step is never made ready in a workflow that just ended; whether any
     // attempt of the step, this one now released, may have sent its request; and what the
@@ -792,7 +830,7 @@ async fn release_in(
                 "workflow ended after an earlier attempt's request may have been sent".to_owned(),
             );
         }
-    } else if let Giving::Waiting { why } = giving {
+    } else if let Giving::Waiting { why, .. } = giving {
         let so_far = Waited {
             waits: u32::try_from(waits).unwrap_or(0),
             total: Duration::from_millis(u64::try_from(waited_ms).unwrap_or(0)),
@@ -866,7 +904,7 @@ async fn release_in(
             EventKind::LeaseReleased,
             json!({ "retry_after_ms": millis(delay), "state": next.as_str() }),
         ),
-        Giving::Waiting { why } => (
+        Giving::Waiting { why, .. } => (
             EventKind::RateLimited,
             json!({ "retry_after_ms": millis(delay), "state": next.as_str(), "why": why,
                     "waits": waits + 1 }),
@@ -896,8 +934,9 @@ async fn release_in(
 enum Giving<'a> {
     /// Before its invocation began (shutdown, no time left).
     Unbegun,
-    /// Nothing sent, for this reason: it waits, against its budget.
-    Waiting { why: &'a str },
+    /// Nothing sent, for this reason: it waits, against its budget. `unbegun`: only if
+    /// *invocation began* is not on record (the gateway could not be reached).
+    Waiting { why: &'a str, unbegun: bool },
     /// A definite refusal its policy retries.
     Refused { status: u16, reason: &'a str },
 }

@@ -204,3 +204,42 @@ async fn a_refusal_the_policy_names_is_retried_under_the_same_identity_while_att
     assert!(!rec.snapshot.earlier_may_have_sent);
     assert_eq!(rec.snapshot.attempts_used, 2);
 }
+
+#[sqlx::test(migrator = "MIGRATOR")]
+async fn a_step_is_given_back_unsent_only_while_its_invocation_has_not_begun(pool: PgPool) {
+    let store = Store::from_pool(pool.clone());
+    submit(
+        &store,
+        &workflow("unsent", vec![step("a", &[]), step("b", &[])]),
+    )
+    .await;
+    let claimed = store.claim(&owner("worker-a"), 2).await.unwrap();
+    let (first, second) = (&claimed[0], &claimed[1]);
+    // the gateway could not be reached and never began: the step waits, its attempt released
+    let after = store
+        .release_unsent(&first.lease, Duration::from_secs(2), "gateway unreachable")
+        .await
+        .unwrap();
+    assert!(matches!(after, AfterWait::Wait { .. }), "{after:?}");
+    let wf = store.workflow(first.workflow).await.unwrap();
+    let a = wf.steps.iter().find(|s| s.id == first.lease.step).unwrap();
+    assert_eq!(
+        (a.state, a.last_attempt),
+        (StepState::Ready, Some(AttemptState::Released))
+    );
+    // the gateway began (and may have sent) before the worker heard back: only recovery decides
+    invoke(&store, second).await;
+    let refused = store
+        .release_unsent(&second.lease, Duration::from_secs(2), "gateway unreachable")
+        .await;
+    assert!(
+        matches!(refused, Err(z29c_store::StoreError::Conflict(_))),
+        "{refused:?}"
+    );
+    let b = store.workflow(second.workflow).await.unwrap();
+    let b = b.steps.iter().find(|s| s.id == second.lease.step).unwrap();
+    assert_eq!(
+        (b.state, b.last_attempt),
+        (StepState::Leased, Some(AttemptState::Active))
+    );
+}

@@ -15,7 +15,9 @@ use serde_json::json;
 use z29c_adapter_gateway::{Adapter, Adapters, CallOutcome, Inquiry, Invocation, QueryOutcome};
 
 /// One entry per request identity: a repeated request finds its entry, a query says whether
-/// it exists, so the adapter is honestly `queryable` (and would be `idempotent` too).
+/// it exists, so the adapter is honestly `queryable` (and would be `idempotent` too) for as
+/// long as the process lives. Its entries are in memory: after a restart its "not found" would
+/// be untrue, so a real ledger keeps them where they outlive the process.
 #[derive(Debug, Default)]
 pub struct Ledger {
     entries: Mutex<HashMap<String, String>>,
