@@ -11,7 +11,7 @@ use std::time::Duration;
 use backon::BackoffBuilder;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use crate::policy::{PlatformBounds, PolicyError, err};
+use crate::policy::{PlatformBounds, PolicyError, err, millis};
 
 /// The first automatic retry waits at least this long by default; jitter adds up to as much
 /// again.
@@ -329,20 +329,6 @@ impl<'de> Deserialize<'de> for StatusSet {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         let v = Vec::<u32>::deserialize(d)?;
         Self::parse(v).map_err(serde::de::Error::custom)
-    }
-}
-
-mod millis {
-    use std::time::Duration;
-
-    use serde::{Deserialize, Deserializer, Serializer};
-
-    pub(super) fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_u64(u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
-    }
-
-    pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
-        u64::deserialize(d).map(Duration::from_millis)
     }
 }
 
