@@ -687,6 +687,19 @@ impl Cluster {
             .await?)
     }
 
+    /// What a person is told about workflow `id` (its product state), as `Get` answers.
+    pub async fn product_state(&self, id: &str) -> Result<pb::ProductState> {
+        Ok(self
+            .client()
+            .await?
+            .get(pb::GetRequest {
+                workflow_id: id.to_owned(),
+            })
+            .await?
+            .into_inner()
+            .state())
+    }
+
     /// `WorkflowService` as the operator: with every role's token in a secure cluster.
     pub async fn client(&self) -> Result<WorkflowServiceClient<Authed>> {
         let token = match &self.security {

@@ -45,21 +45,9 @@ fn short_lease(key: &str, route: &str) -> pb::SubmitRequest {
     req
 }
 
-async fn product_state(cluster: &Cluster, id: &str) -> Result<pb::ProductState> {
-    Ok(cluster
-        .client()
-        .await?
-        .get(pb::GetRequest {
-            workflow_id: id.into(),
-        })
-        .await?
-        .into_inner()
-        .state())
-}
-
 async fn wait_state(cluster: &Cluster, id: &str, want: pb::ProductState) -> Result<()> {
     for _ in 0..300 {
-        if product_state(cluster, id).await? == want {
+        if cluster.product_state(id).await? == want {
             return Ok(());
         }
         tokio::time::sleep(Duration::from_millis(100)).await;

@@ -68,18 +68,6 @@ async fn wait_for(pool: &PgPool, sql: &'static str, what: &str, within: Duration
     Ok(())
 }
 
-async fn product_state(cluster: &Cluster, id: &str) -> Result<pb::ProductState> {
-    Ok(cluster
-        .client()
-        .await?
-        .get(pb::GetRequest {
-            workflow_id: id.to_owned(),
-        })
-        .await?
-        .into_inner()
-        .state())
-}
-
 /// How a scenario ended.
 #[derive(Debug)]
 struct Ended {
@@ -118,11 +106,11 @@ async fn judge_all(
     permit_limit: i64,
 ) -> Result<Ended> {
     cluster.wait_all_ended(ids, Duration::from_secs(60)).await?;
-    let before_review = product_state(&cluster, &ids[0]).await?;
+    let before_review = cluster.product_state(&ids[0]).await?;
     if cluster.resolve_reviews_from_ledger().await? > 0 {
         cluster.wait_all_ended(ids, Duration::from_secs(60)).await?;
     }
-    let after_review = product_state(&cluster, &ids[0]).await?;
+    let after_review = cluster.product_state(&ids[0]).await?;
     let pool = cluster.db.pool(2).await?;
     let ledger = cluster.ledger_pool().await?;
     let history = History::load(&pool, &ledger).await?;

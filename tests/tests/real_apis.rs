@@ -481,7 +481,7 @@ async fn a_new_gateway_adds_its_adapter_and_without_it_steps_wait() -> Result<()
         .wait_all_ended(std::slice::from_ref(&paid), Duration::from_secs(60))
         .await?;
     assert_eq!(
-        product_state(&cluster, &paid).await?,
+        cluster.product_state(&paid).await?,
         pb::ProductState::Completed
     );
 
@@ -502,8 +502,7 @@ async fn a_new_gateway_adds_its_adapter_and_without_it_steps_wait() -> Result<()
     )
     .await?;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    while product_state(&cluster, &waiting[0]).await? != pb::ProductState::WaitingOnExternalService
-    {
+    while cluster.product_state(&waiting[0]).await? != pb::ProductState::WaitingOnExternalService {
         anyhow::ensure!(
             tokio::time::Instant::now() < deadline,
             "the step did not wait for a gateway\n{}",
@@ -528,22 +527,10 @@ async fn a_new_gateway_adds_its_adapter_and_without_it_steps_wait() -> Result<()
         .wait_all_ended(&waiting, Duration::from_secs(60))
         .await?;
     assert_eq!(
-        product_state(&cluster, &waiting[0]).await?,
+        cluster.product_state(&waiting[0]).await?,
         pb::ProductState::Completed
     );
     assert_eq!(apis.effects("stripe").len(), 2, "one charge per step");
     pool.close().await;
     cluster.stop().await
-}
-
-async fn product_state(cluster: &Cluster, id: &str) -> Result<pb::ProductState> {
-    Ok(cluster
-        .client()
-        .await?
-        .get(pb::GetRequest {
-            workflow_id: id.to_owned(),
-        })
-        .await?
-        .into_inner()
-        .state())
 }

@@ -34,16 +34,6 @@ fn record(category: RecoveryCategory, decision: RecoveryDecision) -> DecisionRec
     }
 }
 
-/// Makes a step that waits out its retry backoff claimable now: the backoff is pinned in
-/// fencing.rs, and sleeping through it here would only slow the tests down.
-async fn eligible_now(pool: &PgPool, step: StepId) {
-    sqlx::query("UPDATE steps SET next_eligible_at = now() WHERE id = $1")
-        .bind(step.as_uuid())
-        .execute(pool)
-        .await
-        .unwrap();
-}
-
 /// Begins `first`'s invocation, lets its lease lapse, and has recovery send the request again
 /// with the same identity (idempotent adapter, attempts left); returns the step's second
 /// attempt, claimed by `worker-b` and not invoked. No other step may be claimable then.

@@ -17,14 +17,6 @@ use z29c_core::{
 use z29c_store::recovery::DecisionRecord;
 use z29c_store::{MIGRATOR, Store};
 
-async fn eligible_now(pool: &PgPool, step: StepId) {
-    sqlx::query("UPDATE steps SET next_eligible_at = now() WHERE id = $1")
-        .bind(step.as_uuid())
-        .execute(pool)
-        .await
-        .unwrap();
-}
-
 async fn last_event(pool: &PgPool, step: StepId) -> (String, serde_json::Value) {
     sqlx::query_as(
         "SELECT kind::text, detail FROM step_events WHERE step_id = $1 ORDER BY id DESC LIMIT 1",

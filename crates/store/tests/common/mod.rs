@@ -113,6 +113,16 @@ pub fn short_policy() -> LeasePolicy {
     }
 }
 
+/// Makes a step that waits out its retry backoff claimable now: the backoff is pinned in
+/// fencing.rs, and sleeping through it here would only slow the tests down.
+pub async fn eligible_now(pool: &PgPool, step: StepId) {
+    sqlx::query("UPDATE steps SET next_eligible_at = now() WHERE id = $1")
+        .bind(step.as_uuid())
+        .execute(pool)
+        .await
+        .unwrap();
+}
+
 pub async fn count(pool: &PgPool, sql: &'static str, step: StepId) -> i64 {
     sqlx::query_scalar(sql)
         .bind(step.as_uuid())
