@@ -422,6 +422,9 @@ impl Cluster {
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
         }
+        if name.starts_with("gateway-") {
+            self.wait_registered(name).await?;
+        }
         Ok(())
     }
 
@@ -489,7 +492,31 @@ impl Cluster {
         self.processes.push(p);
         self.gateway_urls
             .push(format!("{}://127.0.0.1:{port}", self.scheme()));
-        self.wait_listening(port).await
+        self.wait_listening(port).await?;
+        self.wait_registered(&name).await
+    }
+
+    /// The ids of the gateways in the registry now.
+    pub async fn registered_gateways(&self) -> Result<Vec<String>> {
+        let bus = z29c_bus::Bus::connect(&self.nats_url, &self.prefix).await?;
+        Ok(bus.gateways().await?.into_iter().map(|g| g.id).collect())
+    }
+
+    /// Waits until gateway `id` is in the registry, from when work for its adapters is
+    /// accepted and sent to it.
+    async fn wait_registered(&mut self, id: &str) -> Result<()> {
+        let start = Instant::now();
+        loop {
+            if self.registered_gateways().await?.iter().any(|g| g == id) {
+                return Ok(());
+            }
+            if self.process(id).is_none_or(Process::exited)
+                || start.elapsed() > Duration::from_secs(45)
+            {
+                bail!("{id} did not register\n{}", self.log_warnings());
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
     }
 
     /// Starts one more recovery worker.

@@ -423,16 +423,12 @@ async fn a_gateway_refuses_a_capability_its_adapter_cannot_support() -> Result<(
 async fn a_new_gateway_adds_its_adapter_and_without_it_steps_wait() -> Result<()> {
     let apis = Apis::start(STRIPE_KEY).await?;
     let mut cluster = Cluster::start_with(Topology {
+        gateways: 0,
         recoveries: 1,
         env: vec![("Z29C_RECOVERY_LEASE_MS".into(), "1500".into())],
         ..Topology::default()
     })
     .await?;
-    // once a workflow for the first gateway's adapter completes, the registry is in use
-    let warm = submit(&cluster, vec![one_step("warm", "http", "warm", json!({}))]).await?;
-    cluster
-        .wait_all_ended(&warm, Duration::from_secs(60))
-        .await?;
     let mut client = cluster.client().await?;
     let refused = client
         .submit(one_step(
@@ -443,10 +439,22 @@ async fn a_new_gateway_adds_its_adapter_and_without_it_steps_wait() -> Result<()
         ))
         .await
         .expect_err("no gateway serves payments yet");
-    assert_eq!(refused.code(), tonic::Code::InvalidArgument);
+    assert_eq!(refused.code(), tonic::Code::FailedPrecondition);
     assert!(
         refused.message().starts_with("steps[0].adapter:")
-            && refused.message().contains("\"payments\""),
+            && refused.message().contains("\"payments\"")
+            && refused.message().contains("no gateway is registered"),
+        "{}",
+        refused.message()
+    );
+    // with another adapter served, the refusal says which ones are
+    cluster.add_gateway(16).await?;
+    let refused = client
+        .submit(one_step("early", "payments", "charges", json!({})))
+        .await
+        .expect_err("no gateway serves payments yet");
+    assert!(
+        refused.message().contains("served: http, http-idempotent"),
         "{}",
         refused.message()
     );
@@ -456,27 +464,18 @@ async fn a_new_gateway_adds_its_adapter_and_without_it_steps_wait() -> Result<()
         .add_gateway_serving(&stripe("payments", &apis.url, "Z29C_TEST_STRIPE_KEY"), &env)
         .await?;
     // accepted once the new gateway has registered
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    let paid = loop {
-        match client
-            .submit(one_step(
-                "paid",
-                "payments",
-                "charges",
-                json!({ "amount": 200 }),
-            ))
-            .await
-        {
-            Ok(r) => break r.into_inner().workflow.unwrap().id,
-            Err(s)
-                if s.code() == tonic::Code::InvalidArgument
-                    && tokio::time::Instant::now() < deadline =>
-            {
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            }
-            Err(s) => anyhow::bail!("the new adapter was not accepted: {s}"),
-        }
-    };
+    let paid = client
+        .submit(one_step(
+            "paid",
+            "payments",
+            "charges",
+            json!({ "amount": 200 }),
+        ))
+        .await?
+        .into_inner()
+        .workflow
+        .expect("workflow")
+        .id;
     cluster
         .wait_all_ended(std::slice::from_ref(&paid), Duration::from_secs(60))
         .await?;
@@ -491,16 +490,8 @@ async fn a_new_gateway_adds_its_adapter_and_without_it_steps_wait() -> Result<()
         .expect("gateway-2")
         .kill()
         .await?;
-    let waiting = submit(
-        &cluster,
-        vec![one_step(
-            "waiting",
-            "payments",
-            "charges",
-            json!({ "amount": 300 }),
-        )],
-    )
-    .await?;
+    let waiting_request = one_step("waiting", "payments", "charges", json!({ "amount": 300 }));
+    let waiting = submit(&cluster, vec![waiting_request.clone()]).await?;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
     while cluster.product_state(&waiting[0]).await? != pb::ProductState::WaitingOnExternalService {
         anyhow::ensure!(
@@ -522,6 +513,30 @@ async fn a_new_gateway_adds_its_adapter_and_without_it_steps_wait() -> Result<()
     assert_eq!(spent, 0, "waiting for a gateway spent attempts");
     let state = step_state(&pool, "waiting").await?;
     assert!(state == "ready" || state == "leased", "{state}");
+    // once its registration has run out, new work for the adapter is refused; a retried
+    // submit of the waiting workflow is answered with it
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while cluster
+        .registered_gateways()
+        .await?
+        .contains(&"gateway-2".to_owned())
+    {
+        anyhow::ensure!(
+            tokio::time::Instant::now() < deadline,
+            "a killed gateway's registration did not run out"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // a scheduler accepts by a read of the registry at most this old
+    tokio::time::sleep(z29c_bus::gateways::REFRESH + Duration::from_millis(500)).await;
+    let late = client
+        .submit(one_step("late", "payments", "charges", json!({})))
+        .await
+        .expect_err("work for an adapter no longer served");
+    assert_eq!(late.code(), tonic::Code::FailedPrecondition, "{late}");
+    let again = client.submit(waiting_request).await?.into_inner();
+    assert!(!again.created);
+    assert_eq!(again.workflow.expect("workflow").id, waiting[0]);
     cluster.restart("gateway-2", &[]).await?;
     cluster
         .wait_all_ended(&waiting, Duration::from_secs(60))

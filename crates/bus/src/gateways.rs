@@ -51,18 +51,22 @@ impl Gateways {
         }
     }
 
-    /// Reads the registry again, waiting for it, when asked to or when the cache holds no
-    /// gateway. A cache older than [`REFRESH`] is used as it is while one read of the
+    /// Reads the registry again, waiting for it, when the cache is `max_age` old or holds no
+    /// gateway. A younger cache older than [`REFRESH`] is used as it is while one read of the
     /// registry runs in the background: the read creates a JetStream consumer and fetches
-    /// through it, and every attempt starting meanwhile used to wait for it.
-    async fn refresh(&self, cache: &mut Cache, now: bool) {
-        if now || cache.records.is_empty() {
+    /// through it, and every attempt starting meanwhile used to wait for it. An error means
+    /// the registry could not be read when a read was waited for.
+    async fn refresh(&self, cache: &mut Cache, max_age: Duration) -> crate::Result<()> {
+        if cache.records.is_empty() || cache.fetched.is_none_or(|t| t.elapsed() >= max_age) {
             match self.bus.gateways().await {
                 Ok(records) => {
                     cache.records = records;
                     cache.fetched = Some(Instant::now());
                 }
-                Err(e) => tracing::warn!(error = %e, "gateway registry unavailable"),
+                Err(e) => {
+                    tracing::warn!(error = %e, "gateway registry unavailable");
+                    return Err(e);
+                }
             }
         } else if !cache.refreshing && cache.fetched.is_none_or(|t| t.elapsed() > REFRESH) {
             cache.refreshing = true;
@@ -80,20 +84,24 @@ impl Gateways {
                 }
             });
         }
+        Ok(())
     }
 
-    /// The registered gateways as last read (at most [`REFRESH`] ago), or as read now when
-    /// `fresh`. Empty when none is registered or the registry cannot be read.
-    pub async fn records(&self, fresh: bool) -> Vec<GatewayRecord> {
+    /// The registered gateways as read at most `max_age` ago (`Duration::ZERO`: read now).
+    /// Empty when none is registered; an error when the registry could not be read, so that
+    /// "nobody is registered" is never guessed from an outage.
+    pub async fn records(&self, max_age: Duration) -> crate::Result<Vec<GatewayRecord>> {
         let mut cache = self.inner.lock().await;
-        self.refresh(&mut cache, fresh).await;
-        cache.records.clone()
+        self.refresh(&mut cache, max_age).await?;
+        Ok(cache.records.clone())
     }
 
     /// A gateway serving `adapter`, round-robin across the registered instances.
     pub async fn for_adapter(&self, adapter: &str) -> Option<Chosen> {
         let mut cache = self.inner.lock().await;
-        self.refresh(&mut cache, false).await;
+        // a call goes by a read no older than a registration lives; an unreadable registry
+        // finds no gateway, and the caller waits and tries again
+        let _ = self.refresh(&mut cache, crate::REGISTRATION_TTL).await;
         let serving: Vec<(String, String, AdapterCapability)> = cache
             .records
             .iter()

@@ -150,6 +150,38 @@ async fn a_stale_gateway_list_answers_at_once_and_is_read_again_behind() {
     bus.delete_stream().await.unwrap();
 }
 
+/// A list asked for no older than an age is read again, and waited for, once it is that old;
+/// younger, it answers as it is.
+#[tokio::test]
+async fn a_gateway_list_past_the_age_asked_for_is_read_again_first() {
+    use z29c_bus::gateways::{Gateways, REFRESH};
+    let ids = |records: Vec<z29c_bus::GatewayRecord>| -> Vec<String> {
+        records.into_iter().map(|g| g.id).collect()
+    };
+    let bus = Bus::connect(&nats_url(), &prefix()).await.unwrap();
+    bus.register_gateway(&gateway("gw-1")).await.unwrap();
+    let gateways = Gateways::new(bus.clone(), z29c_security::TlsConfig::default());
+    assert_eq!(ids(gateways.records(REFRESH).await.unwrap()), ["gw-1"]);
+    bus.deregister_gateway("gw-1").await.unwrap();
+    bus.register_gateway(&gateway("gw-2")).await.unwrap();
+    assert_eq!(
+        ids(gateways.records(Duration::from_secs(60)).await.unwrap()),
+        ["gw-1"],
+        "a young list answers as it is"
+    );
+    tokio::time::sleep(REFRESH).await;
+    assert_eq!(
+        ids(gateways.records(REFRESH).await.unwrap()),
+        ["gw-2"],
+        "a list as old as asked for is read again before answering"
+    );
+    assert_eq!(
+        ids(gateways.records(Duration::ZERO).await.unwrap()),
+        ["gw-2"]
+    );
+    bus.delete_stream().await.unwrap();
+}
+
 #[tokio::test]
 async fn a_message_out_of_deliveries_raises_an_advisory_z29c_can_read() {
     let bus = Bus::connect(&nats_url(), &prefix()).await.unwrap();

@@ -291,13 +291,13 @@ async fn decide_on(
 /// Whether `gateway` is registered, so the call it holds a permit for may still answer. A
 /// gateway that died is gone from the registry within its registration's lifetime, and one
 /// that started again under the same name has already turned its earlier calls' permits into
-/// unknown outcomes.
+/// unknown outcomes. A registry that cannot be read says nothing: the call is taken as held,
+/// and waited for until its deadline.
 async fn holds_call(ctx: &Context, gateway: &str) -> bool {
     ctx.gateways
-        .records(false)
+        .records(z29c_bus::REGISTRATION_TTL)
         .await
-        .iter()
-        .any(|g| g.id == gateway)
+        .map_or(true, |records| records.iter().any(|g| g.id == gateway))
 }
 
 /// Whether asking again later may bring an answer: the destination said it is still

@@ -267,14 +267,12 @@ impl Workflows {
         Ok(workflow_to_wire(&w, steps))
     }
 
-    async fn submit_traced(
-        &self,
-        request: Request<pb::SubmitRequest>,
-    ) -> Result<Response<pb::SubmitResponse>, Status> {
-        let mut wf = new_workflow(request.into_inner())?;
-        wf.trace_context = z29c_telemetry::trace::current_traceparent();
-        // unknown adapters are refused when the registry can say what is served; a refusal
-        // is decided on a fresh read, so a gateway registered since the cached one counts
+    /// Refuses a submission a gateway cannot carry out: an adapter no registered gateway
+    /// serves, a retry of refusals at an adapter that does not de-duplicate, a call longer
+    /// than a serving gateway allows. An acceptance goes by a read of the registry at most
+    /// [`z29c_bus::gateways::REFRESH`] old; a refusal by a read made for it, so a gateway
+    /// registered since counts. An unreadable registry is `UNAVAILABLE`, never "not served".
+    async fn check_adapters(&self, wf: &NewWorkflow) -> Result<(), Status> {
         let unserved = |gateways: &[GatewayRecord]| {
             wf.steps.iter().position(|s| {
                 !gateways
@@ -282,17 +280,37 @@ impl Workflows {
                     .any(|g| g.adapters.iter().any(|a| a.name == s.adapter))
             })
         };
-        let mut gateways = self.gateways.records(false).await;
+        let unreadable = |e: z29c_bus::BusError| {
+            Status::unavailable(format!("gateway registry unavailable: {e}"))
+        };
+        let mut gateways = self
+            .gateways
+            .records(z29c_bus::gateways::REFRESH)
+            .await
+            .map_err(unreadable)?;
         if unserved(&gateways).is_some() {
-            gateways = self.gateways.records(true).await;
+            gateways = self
+                .gateways
+                .records(Duration::ZERO)
+                .await
+                .map_err(unreadable)?;
         }
-        if !gateways.is_empty()
-            && let Some(i) = unserved(&gateways)
-        {
-            return Err(invalid(
-                format!("steps[{i}].adapter"),
-                format!("no gateway serves adapter {:?}", wf.steps[i].adapter),
-            ));
+        if let Some(i) = unserved(&gateways) {
+            let mut served: Vec<&str> = gateways
+                .iter()
+                .flat_map(|g| g.adapters.iter().map(|a| a.name.as_str()))
+                .collect();
+            served.sort_unstable();
+            served.dedup();
+            let served = if served.is_empty() {
+                "no gateway is registered".to_owned()
+            } else {
+                format!("served: {}", served.join(", "))
+            };
+            return Err(Status::failed_precondition(format!(
+                "steps[{i}].adapter: no gateway serves adapter {:?} ({served}); start a gateway that serves it and submit again",
+                wf.steps[i].adapter
+            )));
         }
         // a step's call must fit every gateway it may be sent to: none cuts it short; and a
         // refusal is sent again only where every gateway's adapter de-duplicates
@@ -319,13 +337,32 @@ impl Workflows {
                     .map_err(|e| invalid(format!("steps[{i}].policy.{}", e.field), e.reason))?;
             }
         }
+        Ok(())
+    }
+
+    async fn submit_traced(
+        &self,
+        request: Request<pb::SubmitRequest>,
+    ) -> Result<Response<pb::SubmitResponse>, Status> {
+        let mut wf = new_workflow(request.into_inner())?;
+        wf.trace_context = z29c_telemetry::trace::current_traceparent();
         let steps = wf.steps.len();
         let prepared = Prepared::new(wf, &self.limits).map_err(status_from_store)?;
-        let submitted = match &self.submissions {
-            Some(batches) => batches.submit(prepared).await,
-            None => self.store.submit_prepared(&prepared).await,
-        }
-        .map_err(status_from_store)?;
+        let submitted = match self.check_adapters(prepared.workflow()).await {
+            Ok(()) => match &self.submissions {
+                Some(batches) => batches.submit(prepared).await,
+                None => self.store.submit_prepared(&prepared).await,
+            }
+            .map_err(status_from_store)?,
+            // a retried submit is answered with the workflow it created, even when its
+            // adapter is no longer served
+            Err(refused) => self
+                .store
+                .earlier_submission(&prepared)
+                .await
+                .map_err(status_from_store)?
+                .ok_or(refused)?,
+        };
         if submitted.created {
             self.relay_wake.notify_one();
         }

@@ -262,6 +262,11 @@ impl Prepared {
         &self.wf.client_key
     }
 
+    /// The submission as validated.
+    pub fn workflow(&self) -> &NewWorkflow {
+        &self.wf
+    }
+
     /// The answer for this submission, written by a commit at `created_at`.
     fn created(&self, created_at: DateTime<Utc>) -> Submitted {
         let wf = &self.wf;
@@ -339,22 +344,36 @@ impl Store {
     /// The answer for a submission whose client key was taken: the earlier submission if it
     /// was the same, [`StoreError::Conflict`] if not.
     async fn submitted_before(&self, prepared: &Prepared) -> Result<Submitted> {
+        self.earlier_submission(prepared)
+            .await?
+            .ok_or(StoreError::NotFound {
+                what: "workflow of the client key",
+            })
+    }
+
+    /// The workflow already submitted under `prepared`'s client key, if any: the same
+    /// submission, or [`StoreError::Conflict`] if it was a different one. A retried submit is
+    /// answered from it even when the submission could no longer be accepted anew.
+    pub async fn earlier_submission(&self, prepared: &Prepared) -> Result<Option<Submitted>> {
         let key = prepared.client_key().as_str();
-        let (existing, existing_digest): (Uuid, String) =
+        let row: Option<(Uuid, String)> =
             sqlx::query_as("SELECT id, submission_digest FROM workflows WHERE client_key = $1")
                 .bind(key)
-                .fetch_one(&self.pool)
+                .fetch_optional(&self.pool)
                 .await?;
+        let Some((existing, existing_digest)) = row else {
+            return Ok(None);
+        };
         if existing_digest != prepared.digest.as_str() {
             return Err(StoreError::Conflict(format!(
                 "client key {key:?} was used for a different submission ({existing})"
             )));
         }
-        Ok(Submitted {
+        Ok(Some(Submitted {
             workflow: WorkflowId::from_uuid(existing),
             created: false,
             detail: None,
-        })
+        }))
     }
 
     /// Writes every submission of `batch` whose client key is free, in one statement (one
