@@ -9,6 +9,8 @@
 //!   shipment every time and records the body's `customer_reference`; `GET
 //!   /carrier/shipments?customer_reference=…` searches them (`{"data": [...]}`).
 //! - `/notify`: an API with no way to ask: `POST /notify/messages` sends a message, every time.
+//! - `/inventory`: a stock API. `POST /inventory/reservations` reserves the body's `sku`,
+//!   de-duplicated by `Idempotency-Key`, and names the reservation in `id`.
 //!
 //! Every route can be told to lose its next answers: the effect happens, the answer never comes
 //! (the caller's time runs out first).
@@ -44,6 +46,8 @@ pub struct Effect {
     pub id: String,
     /// The idempotency key or client reference it was made under.
     pub key: Option<String>,
+    /// The body of the request that made it.
+    pub body: Value,
 }
 
 #[derive(Debug, Default)]
@@ -96,6 +100,7 @@ impl Apis {
             .route("/stripe/v1/charges", post(charge))
             .route("/carrier/shipments", post(ship).get(search))
             .route("/notify/messages", post(notify))
+            .route("/inventory/reservations", post(reserve))
             .with_state(shared);
         let listener = tokio::net::TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], 0))).await?;
         let url = format!("http://{}", listener.local_addr()?);
@@ -148,11 +153,12 @@ impl Shared {
     }
 
     /// Makes an effect, and says whether its answer is to be lost.
-    fn effect(&self, api: &'static str, key: Option<String>) -> (String, bool) {
+    fn effect(&self, api: &'static str, key: Option<String>, body: Value) -> (String, bool) {
         let mut books = self.books.lock().expect("books");
         let prefix = match api {
             "stripe" => "ch",
             "carrier" => "shp",
+            "inventory" => "res",
             _ => "msg",
         };
         let id = format!(
@@ -163,6 +169,7 @@ impl Shared {
             api,
             id: id.clone(),
             key,
+            body,
         });
         let lose = books
             .lose
@@ -228,7 +235,7 @@ async fn charge(State(s): State<Shared>, headers: HeaderMap, Json(body): Json<Va
     let key_for_task = key.clone();
     let done = tokio::spawn(async move {
         tokio::time::sleep(Duration::from_millis(processing)).await;
-        let (id, lose) = books.effect("stripe", key_for_task.clone());
+        let (id, lose) = books.effect("stripe", key_for_task.clone(), body);
         let answer = json!({ "id": id, "object": "charge", "amount": amount,
                              "status": "succeeded" });
         if let Some(k) = &key_for_task {
@@ -258,7 +265,7 @@ async fn ship(State(s): State<Shared>, headers: HeaderMap, Json(body): Json<Valu
         .get("customer_reference")
         .and_then(Value::as_str)
         .map(str::to_owned);
-    let (id, lose) = s.effect("carrier", reference.clone());
+    let (id, lose) = s.effect("carrier", reference.clone(), body);
     if lose {
         return lost().await;
     }
@@ -287,6 +294,35 @@ async fn search(State(s): State<Shared>, Query(q): Query<HashMap<String, String>
     (StatusCode::OK, Json(json!({ "data": data }))).into_response()
 }
 
+async fn reserve(State(s): State<Shared>, headers: HeaderMap, Json(body): Json<Value>) -> Response {
+    let key = key_of(&headers);
+    s.record(Received {
+        api: "inventory",
+        method: "POST",
+        key: key.clone(),
+        authorized: true,
+    });
+    if let Some(k) = &key
+        && let Some(answer) = s.books.lock().expect("books").answers.get(k)
+    {
+        return (StatusCode::OK, Json(answer.clone())).into_response();
+    }
+    let sku = body.get("sku").cloned();
+    let (id, lose) = s.effect("inventory", key.clone(), body);
+    let answer = json!({ "id": id, "sku": sku, "status": "reserved" });
+    if let Some(k) = key {
+        s.books
+            .lock()
+            .expect("books")
+            .answers
+            .insert(k, answer.clone());
+    }
+    if lose {
+        return lost().await;
+    }
+    (StatusCode::OK, Json(answer)).into_response()
+}
+
 async fn notify(State(s): State<Shared>, headers: HeaderMap) -> Response {
     s.record(Received {
         api: "notify",
@@ -294,7 +330,7 @@ async fn notify(State(s): State<Shared>, headers: HeaderMap) -> Response {
         key: key_of(&headers),
         authorized: true,
     });
-    let (id, lose) = s.effect("notify", None);
+    let (id, lose) = s.effect("notify", None, Value::Null);
     if lose {
         return lost().await;
     }

@@ -820,6 +820,7 @@ impl Cluster {
                 expected_version: item.version,
                 reason: reason.into(),
                 resolution: Some(resolution),
+                result_json: String::new(),
             });
             req.metadata_mut()
                 .insert("x-z29c-operator", "harness".parse()?);

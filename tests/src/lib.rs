@@ -6,6 +6,7 @@
 //!
 //! # Layout
 //! - [`apis`]: mock APIs of real shapes (payments, a carrier, notifications), with their own records.
+//! - [`order`]: a three-step order whose steps use upstream results, against [`apis`].
 //! - [`cluster`]: real z29c processes (destination, gateways, scheduler, executors, recovery).
 //! - [`infra`]: PostgreSQL and NATS servers of a scenario's own, to crash and restart.
 //! - [`proxy`]: a TCP proxy to cut a service's database connection, or drop it at `COMMIT`.
@@ -152,6 +153,7 @@ pub mod cluster;
 pub mod history;
 pub mod infra;
 pub mod matrix;
+pub mod order;
 pub mod otlp;
 pub mod proxy;
 pub mod soak;

@@ -217,6 +217,28 @@ async fn a_payments_api_is_called_with_its_key_and_its_reference_read_from_id() 
         .collect();
     assert_eq!(refused.len(), 1, "a refusal is not sent again: {refused:?}");
     assert_eq!(step_state(&pool, "unauthorized").await?, "failed");
+    // the API says why, in words, and what the charge answered
+    let mut client = cluster.client().await?;
+    let failed = client
+        .get(pb::GetRequest {
+            workflow_id: ids[1].clone(),
+        })
+        .await?
+        .into_inner();
+    let why = "refused: 401 Unauthorized from stripe-wrong-key: Invalid API Key provided";
+    assert_eq!(failed.steps[0].reason, why);
+    assert_eq!(failed.reason, format!("step call: {why}"));
+    let paid = client
+        .get(pb::GetRequest {
+            workflow_id: ids[0].clone(),
+        })
+        .await?
+        .into_inner();
+    assert_eq!(paid.steps[0].reason, "");
+    let result: serde_json::Value = serde_json::from_str(&paid.steps[0].result_json)?;
+    assert_eq!(result["id"], "ch_1", "{result}");
+    let input: serde_json::Value = serde_json::from_str(&paid.steps[0].input_json)?;
+    assert_eq!(input, json!({ "amount": 1200, "currency": "eur" }));
 
     // the keys are nowhere a person or a log collector would read them
     let logs = all_logs(&cluster);

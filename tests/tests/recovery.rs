@@ -227,6 +227,7 @@ async fn resolve_through_review_service(
             expected_version: version,
             reason: reason.into(),
             resolution: Some(Resolution::SucceededExternalReference(reference.clone())),
+            result_json: String::new(),
         });
         req.metadata_mut()
             .insert("x-z29c-operator", "alice".parse().unwrap());

@@ -545,8 +545,11 @@ async fn bad_submissions_name_the_field_and_store_nothing() -> Result<()> {
     let mut client = cluster.client().await?;
     let mut cases: Vec<(pb::SubmitRequest, &str)> = Vec::new();
     let mut r = chain("bad-1", "x", 1);
-    r.steps[0].adapter = "carrier-pigeon".into();
-    cases.push((r, "steps[0].adapter"));
+    r.steps[0].operation = "charges/../refunds".into();
+    cases.push((r, "steps[0].operation"));
+    let mut r = chain("bad-1b", "x", 2);
+    r.steps[1].input_json = r#"{"reservation": "${steps.s9.result/id}"}"#.into();
+    cases.push((r, "steps[1].input"));
     let mut r = chain("bad-2", "x", 2);
     r.steps[0].depends_on = vec!["s1".into()];
     cases.push((r, "steps: dependency cycle"));
@@ -578,6 +581,16 @@ async fn bad_submissions_name_the_field_and_store_nothing() -> Result<()> {
             status.message()
         );
     }
+    // an adapter no gateway serves: refused until one does
+    let mut r = chain("bad-unserved", "x", 1);
+    r.steps[0].adapter = "carrier-pigeon".into();
+    let status = client.submit(r).await.unwrap_err();
+    assert_eq!(status.code(), tonic::Code::FailedPrecondition);
+    assert!(
+        status.message().starts_with("steps[0].adapter: no gateway serves adapter \"carrier-pigeon\""),
+        "{}",
+        status.message()
+    );
     // the same key with a different payload
     client.submit(chain("good", "x", 1)).await?;
     let status = client.submit(chain("good", "y", 1)).await.unwrap_err();

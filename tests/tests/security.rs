@@ -283,6 +283,7 @@ async fn only_a_resolver_resolves_and_the_record_names_the_token_not_a_header() 
             expected_version: version,
             reason: reason.into(),
             resolution: Some(Resolution::Failed(true)),
+            result_json: String::new(),
         });
         if forged {
             r.metadata_mut()

@@ -512,6 +512,7 @@ pub(crate) async fn review(
                 expected_version: version,
                 reason,
                 resolution: Some(resolution),
+                result_json: String::new(),
             });
             req.metadata_mut()
                 .insert("x-z29c-operator", operator.parse()?);

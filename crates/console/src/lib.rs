@@ -315,7 +315,7 @@ async fn list_workflows(
     let list = workflows
         .list(pb::ListRequest {
             page_size: 100,
-            page_token: String::new(),
+            ..Default::default()
         })
         .await?
         .into_inner();
@@ -427,6 +427,7 @@ async fn resolve(
             expected_version,
             reason: form.reason,
             resolution: Some(resolution),
+            result_json: String::new(),
         })
         .await?
         .into_inner();

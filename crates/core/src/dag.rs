@@ -27,7 +27,7 @@ pub fn validate(steps: &[(StepName, Vec<StepName>)]) -> Result<Vec<usize>, DagEr
         if index.insert(name, i).is_some() {
             return Err(DagError {
                 field: format!("steps[{i}].name"),
-                reason: format!("duplicate step name {name:?}"),
+                reason: format!("duplicate step name \"{name}\""),
             });
         }
     }
@@ -45,13 +45,13 @@ pub fn validate(steps: &[(StepName, Vec<StepName>)]) -> Result<Vec<usize>, DagEr
             let Some(&d) = index.get(dep) else {
                 return Err(DagError {
                     field,
-                    reason: format!("unknown step {dep:?}"),
+                    reason: format!("unknown step \"{dep}\""),
                 });
             };
             if deps[..j].contains(dep) {
                 return Err(DagError {
                     field,
-                    reason: format!("duplicate dependency {dep:?}"),
+                    reason: format!("duplicate dependency \"{dep}\""),
                 });
             }
             indegree[i] += 1;

@@ -15,7 +15,9 @@
 //! - [`fence`]: the fencing rule every write under a lease must pass.
 //! - [`recovery`]: `classify()`, the recovery table of docs/design.md §5.
 //! - [`projection`]: `project()`, durable state to the product states people see.
+//! - [`reasons`]: why a step failed, waits or is being recovered, in words people read.
 //! - [`dag`]: validation of a submitted workflow's step graph.
+//! - [`refs`]: references from a step's input to its dependencies' results, and resolving them.
 //! - [`access`]: operator roles and which actions each allows.
 //! - [`maintenance`]: when z29c vacuums its own tables (where no autovacuum will).
 
@@ -28,7 +30,9 @@ pub mod ids;
 pub mod maintenance;
 pub mod policy;
 pub mod projection;
+pub mod reasons;
 pub mod recovery;
+pub mod refs;
 pub mod retry;
 pub mod state;
 mod text_enum;

@@ -131,9 +131,22 @@ impl ReviewService for Reviews {
                 ));
             }
         };
+        let found = match req.result_json.trim() {
+            "" => None,
+            text => Some(serde_json::from_str(text).map_err(|e| {
+                Status::invalid_argument(format!("result_json: not JSON: {e}"))
+            })?),
+        };
         let resolved = self
             .store
-            .resolve_review(item, req.expected_version, &who, &req.reason, &resolution)
+            .resolve_review_found(
+                item,
+                req.expected_version,
+                &who,
+                &req.reason,
+                &resolution,
+                found,
+            )
             .await
             .map_err(status_from_store)?;
         let (kind, outcome) = match &resolution {

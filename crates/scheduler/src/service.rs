@@ -22,7 +22,7 @@ use z29c_runtime::{Guard, status_from_store};
 use z29c_store::Store;
 use z29c_store::submissions::SubmissionBatches;
 use z29c_store::workflows::{
-    NewStep, NewWorkflow, Prepared, StepDetail, SubmitLimits, WorkflowDetail,
+    NewStep, NewWorkflow, Prepared, StepDetail, SubmitLimits, WorkflowDetail, WorkflowFilter,
 };
 
 #[derive(Debug, Clone)]
@@ -82,6 +82,19 @@ pub fn product_to_wire(p: ProductState) -> pb::ProductState {
     }
 }
 
+fn product_from_wire(p: pb::ProductState) -> Option<ProductState> {
+    Some(match p {
+        pb::ProductState::Unspecified => return None,
+        pb::ProductState::Preparing => ProductState::Preparing,
+        pb::ProductState::WaitingOnExternalService => ProductState::WaitingOnExternalService,
+        pb::ProductState::RecoveringExecution => ProductState::RecoveringExecution,
+        pb::ProductState::NeedsReview => ProductState::NeedsReview,
+        pb::ProductState::Completed => ProductState::Completed,
+        pb::ProductState::Failed => ProductState::Failed,
+        pb::ProductState::Cancelled => ProductState::Cancelled,
+    })
+}
+
 fn policy_from_wire(p: Option<pb::LeasePolicy>) -> Result<LeasePolicy, PolicyError> {
     let d = LeasePolicy::default();
     let Some(p) = p else { return Ok(d) };
@@ -127,11 +140,15 @@ pub fn new_workflow(req: pb::SubmitRequest) -> Result<NewWorkflow, Status> {
     for (i, s) in req.steps.into_iter().enumerate() {
         let name =
             StepName::parse(s.name).map_err(|e| invalid(format!("steps[{i}].name"), e.reason))?;
-        let input = if s.input_json.trim().is_empty() {
-            serde_json::Value::Object(Default::default())
-        } else {
-            serde_json::from_str(&s.input_json)
-                .map_err(|e| invalid(format!("steps[{i}].input_json"), e))?
+        // an input left out (or null) is an empty object
+        let input = match s.input_json.trim() {
+            "" => serde_json::Value::Object(Default::default()),
+            text => match serde_json::from_str(text)
+                .map_err(|e| invalid(format!("steps[{i}].input_json"), format!("not JSON: {e}")))?
+            {
+                serde_json::Value::Null => serde_json::Value::Object(Default::default()),
+                v => v,
+            },
         };
         let depends_on = s
             .depends_on
@@ -142,6 +159,19 @@ pub fn new_workflow(req: pb::SubmitRequest) -> Result<NewWorkflow, Status> {
                     .map_err(|e| invalid(format!("steps[{i}].depends_on[{j}]"), e.reason))
             })
             .collect::<Result<_, _>>()?;
+        if let Some(c) = s
+            .operation
+            .chars()
+            .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | ':')))
+        {
+            return Err(invalid(
+                format!("steps[{i}].operation"),
+                format!(
+                    "{:?} holds {c:?}: use letters, digits, '-', '_', '.' and ':'",
+                    s.operation
+                ),
+            ));
+        }
         if s.operation == z29c_core::capability::STATUS_QUERY_CLASS {
             return Err(invalid(
                 format!("steps[{i}].operation"),
@@ -207,6 +237,14 @@ pub fn step_to_wire(s: &StepDetail, events: Vec<pb::StepEvent>) -> pb::Step {
             attempts: u32::try_from(s.attempts_made).unwrap_or(0),
             events,
         }),
+        input_json: s.input.to_string(),
+        result_json: s
+            .receipt
+            .as_ref()
+            .map(|r| r.observed_result.to_string())
+            .unwrap_or_default(),
+        reason: s.reason.clone().unwrap_or_default(),
+        depends_on: s.depends_on.clone(),
     }
 }
 
@@ -221,6 +259,7 @@ pub fn workflow_to_wire(w: &WorkflowDetail, steps: Vec<pb::Step>) -> pb::Workflo
         steps,
         created_at: Some(timestamp(w.created_at)),
         deadline: w.deadline.map(timestamp),
+        reason: w.reason.clone().unwrap_or_default(),
     }
 }
 
@@ -439,17 +478,31 @@ impl WorkflowService for Workflows {
         } else {
             Some(parse_id("page_token", &req.page_token)?)
         };
-        let list = self
+        let states = req
+            .states
+            .iter()
+            .enumerate()
+            .map(|(i, &s)| {
+                pb::ProductState::try_from(s)
+                    .ok()
+                    .and_then(product_from_wire)
+                    .ok_or_else(|| invalid(format!("states[{i}]"), format!("no product state {s}")))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let text = |s: String| Some(s.trim().to_owned()).filter(|s| !s.is_empty());
+        let filter = WorkflowFilter {
+            states,
+            name: text(req.name),
+            search: text(req.search),
+        };
+        let page = self
             .store
-            .list_workflows(size, before)
+            .list_workflows(size, before, &filter)
             .await
             .map_err(status_from_store)?;
-        let next_page_token = if list.len() as i64 == size {
-            list.last().map(|w| w.id.to_string()).unwrap_or_default()
-        } else {
-            String::new()
-        };
-        let workflows = list
+        let next_page_token = page.next.map(|w| w.to_string()).unwrap_or_default();
+        let workflows = page
+            .workflows
             .iter()
             .map(|w| workflow_to_wire(w, w.steps.iter().map(|s| step_to_wire(s, vec![])).collect()))
             .collect();

@@ -29,6 +29,7 @@ pub enum EventKind {
     Cancelled,
     FailedByPolicy,
     RetryScheduled,
+    InputUnresolved,
 }
 
 impl EventKind {
@@ -50,6 +51,7 @@ impl EventKind {
             Self::Cancelled => "cancelled",
             Self::FailedByPolicy => "failed_by_policy",
             Self::RetryScheduled => "retry_scheduled",
+            Self::InputUnresolved => "input_unresolved",
         }
     }
 }

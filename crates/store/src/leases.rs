@@ -1179,6 +1179,26 @@ async fn release_dependents(conn: &mut PgConnection, workflow: Uuid, step: Uuid)
     .filter_map(|(id, v, ready): (Uuid, i64, bool)| ready.then_some((id, v)))
     .collect();
     for (id, lease_version) in ready {
+        if let Err(e) = resolve_input(conn, id).await? {
+            // a reference that names nothing the receipts hold: the step cannot be sent
+            crate::ending::fail_by_policy(
+                conn,
+                workflow,
+                NewEvent {
+                    workflow,
+                    step: id,
+                    attempt: None,
+                    lease_version,
+                    owner: None,
+                    kind: EventKind::InputUnresolved,
+                    detail: json!({ "reason": format!("input: {e}") }),
+                },
+                "a step's input could not be resolved",
+            )
+            .await?;
+            // the workflow has failed, and its other steps were stopped with it
+            return Ok(());
+        }
         events::append(
             conn,
             NewEvent {
@@ -1195,6 +1215,53 @@ async fn release_dependents(conn: &mut PgConnection, workflow: Uuid, step: Uuid)
         outbox::enqueue(conn, MessageKind::StepReady, workflow, Some(id), json!({})).await?;
     }
     Ok(())
+}
+
+/// Resolves the references of a step's input from its dependencies' receipts, once they have
+/// all succeeded, and writes the result as the input every attempt sends, with its digest.
+/// A step without references is left as it is.
+async fn resolve_input(
+    conn: &mut PgConnection,
+    step: Uuid,
+) -> Result<std::result::Result<(), z29c_core::refs::RefError>> {
+    let template: Option<Value> =
+        sqlx::query_scalar("SELECT input_template FROM steps WHERE id = $1")
+            .bind(step)
+            .fetch_one(&mut *conn)
+            .await?;
+    let Some(template) = template else {
+        return Ok(Ok(()));
+    };
+    let upstream: Vec<(String, Value, Option<String>)> = sqlx::query_as(
+        "SELECT u.name, r.observed_result, r.external_reference
+         FROM step_dependencies d
+         JOIN steps u ON u.id = d.depends_on
+         JOIN step_receipts r ON r.step_id = u.id AND r.outcome = 'succeeded'
+         WHERE d.step_id = $1",
+    )
+    .bind(step)
+    .fetch_all(&mut *conn)
+    .await?;
+    let lookup = |name: &str| {
+        upstream
+            .iter()
+            .find(|(n, _, _)| n == name)
+            .map(|(_, result, reference)| z29c_core::refs::Upstream {
+                result,
+                reference: reference.as_deref(),
+            })
+    };
+    let input = match z29c_core::refs::resolve(&template, &lookup) {
+        Ok(input) => input,
+        Err(e) => return Ok(Err(e)),
+    };
+    sqlx::query("UPDATE steps SET input = $2, input_digest = $3 WHERE id = $1")
+        .bind(step)
+        .bind(&input)
+        .bind(InputDigest::of_json(&input).as_str())
+        .execute(&mut *conn)
+        .await?;
+    Ok(Ok(()))
 }
 
 /// The statements of [`Store::begin_invocation`], on the caller's transaction.

@@ -4,7 +4,7 @@
 
 use chrono::{DateTime, Utc};
 use serde::Serialize;
-use serde_json::json;
+use serde_json::{Value, json};
 use uuid::Uuid;
 use z29c_core::fence::FencedWrite;
 use z29c_core::{
@@ -243,6 +243,28 @@ impl Store {
         reason: &str,
         resolution: &Resolution,
     ) -> Result<ReviewItem> {
+        self.resolve_review_found(item, expected_version, who, reason, resolution, None)
+            .await
+    }
+
+    /// [`Store::resolve_review`], with the result the person found for a step that succeeded:
+    /// its receipt holds it, and the steps that depend on it may refer to it as to an
+    /// answer's. Without one, the receipt records who resolved it and why.
+    pub async fn resolve_review_found(
+        &self,
+        item: Uuid,
+        expected_version: i64,
+        who: &str,
+        reason: &str,
+        resolution: &Resolution,
+        found: Option<Value>,
+    ) -> Result<ReviewItem> {
+        if found.is_some() && !matches!(resolution, Resolution::Succeeded(_)) {
+            return Err(StoreError::invalid(
+                "result_json",
+                "a result is recorded only with a resolution as succeeded",
+            ));
+        }
         if reason.trim().is_empty() {
             return Err(StoreError::invalid("reason", "a resolution needs a reason"));
         }
@@ -333,7 +355,9 @@ impl Store {
                         Outcome::Failed
                     },
                     external_reference: external_reference.clone(),
-                    result: json!({ "resolved_by": who, "reason": reason }),
+                    result: found
+                        .clone()
+                        .unwrap_or_else(|| json!({ "resolved_by": who, "reason": reason })),
                     seen: None,
                 };
                 finish_step(

@@ -6,6 +6,7 @@ use serde::Serialize;
 use serde_json::{Value, json};
 use uuid::Uuid;
 use z29c_core::dag;
+use z29c_core::{reasons, refs};
 use z29c_core::{
     AttemptState, Checkpoint, ClientKey, InputDigest, LeasePolicy, LeaseVersion, PlatformBounds,
     ProductState, StepFacts, StepId, StepName, StepState, WorkflowId, WorkflowState, project,
@@ -101,6 +102,11 @@ pub struct StepDetail {
     pub last_attempt: Option<AttemptState>,
     pub attempts_made: i32,
     pub receipt: Option<Receipt>,
+    /// The input it sends: resolved once its dependencies succeeded, as submitted before.
+    pub input: Value,
+    pub depends_on: Vec<String>,
+    /// Why it failed, waits or is being recovered, in words ([`z29c_core::reasons`]).
+    pub reason: Option<String>,
 }
 
 impl StepDetail {
@@ -121,6 +127,25 @@ impl StepDetail {
     }
 }
 
+/// Which workflows a list keeps: any of `states` (none: every state), of `name`, and the one
+/// whose id or client key is `search`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct WorkflowFilter {
+    pub states: Vec<ProductState>,
+    pub name: Option<String>,
+    pub search: Option<String>,
+}
+
+/// One page of a list, and where the next begins (`None`: this was the last).
+#[derive(Debug, Clone, Default)]
+pub struct WorkflowPage {
+    pub workflows: Vec<WorkflowDetail>,
+    pub next: Option<WorkflowId>,
+}
+
+/// How many chunks of a page's size one list request reads at most while filtering.
+pub const LIST_SCAN_CHUNKS: usize = 10;
+
 /// A workflow and its steps.
 #[derive(Debug, Clone, Serialize)]
 pub struct WorkflowDetail {
@@ -131,6 +156,8 @@ pub struct WorkflowDetail {
     pub deadline: Option<DateTime<Utc>>,
     pub created_at: DateTime<Utc>,
     pub steps: Vec<StepDetail>,
+    /// Why it failed or was cancelled, in words.
+    pub reason: Option<String>,
 }
 
 impl WorkflowDetail {
@@ -148,6 +175,28 @@ struct WorkflowRow {
     state: String,
     deadline: Option<DateTime<Utc>>,
     created_at: DateTime<Utc>,
+    cancel_reason: Option<String>,
+}
+
+impl WorkflowRow {
+    fn detail(self, steps: Vec<StepDetail>) -> Result<WorkflowDetail> {
+        let reason = reasons::workflow_reason(
+            self.cancel_reason.as_deref(),
+            steps
+                .iter()
+                .map(|s| (s.name.as_str(), s.state, s.reason.as_deref())),
+        );
+        Ok(WorkflowDetail {
+            id: WorkflowId::from_uuid(self.id),
+            client_key: self.client_key,
+            name: self.name,
+            state: parse(&self.state)?,
+            deadline: self.deadline,
+            created_at: self.created_at,
+            steps,
+            reason,
+        })
+    }
 }
 
 #[derive(sqlx::FromRow)]
@@ -169,6 +218,11 @@ struct StepRow {
     checkpoint: Option<String>,
     attempt_state: Option<String>,
     attempts_made: i32,
+    input: Value,
+    depends_on: Vec<String>,
+    event_kind: Option<String>,
+    event_detail: Option<Value>,
+    review_reason: Option<String>,
 }
 
 impl NewWorkflow {
@@ -210,6 +264,21 @@ impl NewWorkflow {
             s.policy.validate(&limits.bounds).map_err(|e| {
                 StoreError::invalid(format!("steps[{i}].policy.{}", e.field), e.reason)
             })?;
+            // a reference names a step this one waits for: its result exists before this
+            // step may start
+            let references = refs::references(&s.input)
+                .map_err(|e| StoreError::invalid(format!("steps[{i}].input{}", e.at), e.reason))?;
+            for (at, r) in references {
+                if !s.depends_on.iter().any(|d| d.as_str() == r.step) {
+                    return Err(StoreError::invalid(
+                        format!("steps[{i}].input{at}"),
+                        format!(
+                            "{r} refers to step {:?}, which is not in this step's depends_on",
+                            r.step
+                        ),
+                    ));
+                }
+            }
         }
         let graph: Vec<_> = self
             .steps
@@ -235,12 +304,32 @@ pub struct Prepared {
     digest: InputDigest,
     step_ids: Vec<StepId>,
     input_digests: Vec<InputDigest>,
+    /// Per step, its input as submitted when it refers to upstream results.
+    templates: Vec<Option<Value>>,
 }
 
 impl Prepared {
-    /// Validates `wf` against `limits` and gives it and its steps their ids.
-    pub fn new(wf: NewWorkflow, limits: &SubmitLimits) -> Result<Self> {
+    /// Validates `wf` against `limits` and gives it and its steps their ids. An input without
+    /// references has its escapes (`$${`) written out now; one with references is kept as
+    /// its template until its dependencies have succeeded.
+    pub fn new(mut wf: NewWorkflow, limits: &SubmitLimits) -> Result<Self> {
         wf.validate(limits)?;
+        let mut templates = Vec::with_capacity(wf.steps.len());
+        for (i, s) in wf.steps.iter_mut().enumerate() {
+            let has_references = !refs::references(&s.input)
+                .map_err(|e| StoreError::invalid(format!("steps[{i}].input{}", e.at), e.reason))?
+                .is_empty();
+            if has_references {
+                templates.push(Some(s.input.clone()));
+            } else {
+                if refs::needs_resolving(&s.input) {
+                    s.input = refs::resolve(&s.input, &|_| None).map_err(|e| {
+                        StoreError::invalid(format!("steps[{i}].input{}", e.at), e.reason)
+                    })?;
+                }
+                templates.push(None);
+            }
+        }
         let digest = wf.digest();
         let step_ids = wf.steps.iter().map(|_| StepId::new()).collect();
         // each input's digest is both written and answered: hashed once
@@ -255,6 +344,7 @@ impl Prepared {
             digest,
             step_ids,
             input_digests,
+            templates,
         })
     }
 
@@ -292,6 +382,15 @@ impl Prepared {
                 last_attempt: None,
                 attempts_made: 0,
                 receipt: None,
+                input: s.input.clone(),
+                // in the steps' order, as a read gives them
+                depends_on: wf
+                    .steps
+                    .iter()
+                    .filter(|x| s.depends_on.contains(&x.name))
+                    .map(|x| x.name.as_str().to_owned())
+                    .collect(),
+                reason: None,
             })
             .collect();
         Submitted {
@@ -305,6 +404,7 @@ impl Prepared {
                 deadline: wf.deadline,
                 created_at,
                 steps,
+                reason: None,
             }),
         }
     }
@@ -428,6 +528,7 @@ impl Store {
                     "adapter": s.adapter,
                     "operation": s.operation,
                     "input": s.input,
+                    "input_template": p.templates[i],
                     "input_digest": p.input_digests[i].as_str(),
                     "lease_ms": millis(policy.lease),
                     "renew_every_ms": millis(policy.renew_every),
@@ -461,21 +562,21 @@ impl Store {
                  INSERT INTO steps (id, workflow_id, name, position, adapter, operation, input,
                      input_digest, lease_ms, renew_every_ms, attempt_deadline_ms, final_grace_ms,
                      adapter_timeout_ms, max_attempts, state, pending_deps, schedule_to_start_ms,
-                     start_by, retry_policy)
+                     start_by, retry_policy, input_template)
                  SELECT x.id, w.id, x.name, x.position, x.adapter, x.operation, x.input,
                      x.input_digest, x.lease_ms, x.renew_every_ms, x.attempt_deadline_ms,
                      x.final_grace_ms, x.adapter_timeout_ms, x.max_attempts,
                      x.state::step_state, x.pending_deps, x.schedule_to_start_ms,
                      CASE WHEN x.state = 'ready'
                           THEN now() + x.schedule_to_start_ms * interval '1 millisecond' END,
-                     x.retry_policy
+                     x.retry_policy, x.input_template
                  FROM jsonb_to_recordset($7) AS x(workflow_id uuid, id uuid, name text,
                      position integer, adapter text, operation text, input jsonb,
                      input_digest text, lease_ms integer, renew_every_ms integer,
                      attempt_deadline_ms integer, final_grace_ms integer,
                      adapter_timeout_ms integer, max_attempts integer,
                      state text, pending_deps integer, schedule_to_start_ms bigint,
-                     retry_policy jsonb)
+                     retry_policy jsonb, input_template jsonb)
                  JOIN w ON w.id = x.workflow_id
              ), d AS (
                  INSERT INTO step_dependencies (step_id, depends_on)
@@ -530,7 +631,8 @@ impl Store {
     pub async fn workflow(&self, id: WorkflowId) -> Result<WorkflowDetail> {
         let mut tx = self.begin_walking_indexes(false).await?;
         let row: WorkflowRow = sqlx::query_as(
-            "SELECT id, client_key, name, state::text AS state, deadline, created_at
+            "SELECT id, client_key, name, state::text AS state, deadline, created_at,
+                    cancel_reason
              FROM workflows WHERE id = $1",
         )
         .bind(id.as_uuid())
@@ -539,52 +641,89 @@ impl Store {
         .ok_or(StoreError::NotFound { what: "workflow" })?;
         let mut details = step_details(&mut tx, &[row.id]).await?;
         tx.commit().await?;
-        Ok(WorkflowDetail {
-            id,
-            client_key: row.client_key,
-            name: row.name,
-            state: parse(&row.state)?,
-            deadline: row.deadline,
-            created_at: row.created_at,
-            steps: details.remove(&row.id).unwrap_or_default(),
-        })
+        let steps = details.remove(&row.id).unwrap_or_default();
+        row.detail(steps)
     }
 
-    /// Workflows, newest first; `before` is the last workflow of the previous page. Read by
-    /// index, as [`Store::workflow`].
+    /// A page of workflows, newest first, that `filter` keeps; `before` is where the previous
+    /// page ended ([`WorkflowPage::next`]). Read by index, as [`Store::workflow`]. A product
+    /// state is worked out from the steps, so the rows are read in chunks of `limit` and
+    /// filtered here, up to [`LIST_SCAN_CHUNKS`] chunks a page: a page may hold fewer than
+    /// `limit` workflows and still have a next one.
     pub async fn list_workflows(
         &self,
         limit: i64,
         before: Option<WorkflowId>,
-    ) -> Result<Vec<WorkflowDetail>> {
+        filter: &WorkflowFilter,
+    ) -> Result<WorkflowPage> {
+        let limit = limit.max(1);
+        // the stored states a wanted product state may come from
+        let stored: Option<Vec<&str>> = (!filter.states.is_empty()).then(|| {
+            let mut stored = Vec::new();
+            for p in &filter.states {
+                stored.extend_from_slice(match p {
+                    ProductState::Completed => &["completed", "running"][..],
+                    ProductState::Failed => &["failed"],
+                    ProductState::Cancelled => &["cancelled"],
+                    ProductState::NeedsReview => &["running", "completed", "failed", "cancelled"],
+                    _ => &["running"],
+                });
+            }
+            stored.sort_unstable();
+            stored.dedup();
+            stored
+        });
+        let search_id = filter
+            .search
+            .as_deref()
+            .and_then(|s| s.parse::<Uuid>().ok());
         let mut tx = self.begin_walking_indexes(false).await?;
-        let rows: Vec<WorkflowRow> = sqlx::query_as(
-            "SELECT id, client_key, name, state::text AS state, deadline, created_at
-             FROM workflows
-             WHERE $2::uuid IS NULL
-                OR (created_at, id) < (SELECT created_at, id FROM workflows WHERE id = $2)
-             ORDER BY created_at DESC, id DESC LIMIT $1",
-        )
-        .bind(limit)
-        .bind(before.map(|b| b.as_uuid()))
-        .fetch_all(&mut *tx)
-        .await?;
-        let ids: Vec<Uuid> = rows.iter().map(|r| r.id).collect();
-        let mut details = step_details(&mut tx, &ids).await?;
+        let mut page = WorkflowPage::default();
+        let mut cursor = before.map(|b| b.as_uuid());
+        for _ in 0..LIST_SCAN_CHUNKS {
+            let rows: Vec<WorkflowRow> = sqlx::query_as(
+                "SELECT id, client_key, name, state::text AS state, deadline, created_at,
+                        cancel_reason
+                 FROM workflows
+                 WHERE ($2::uuid IS NULL
+                        OR (created_at, id) < (SELECT created_at, id FROM workflows WHERE id = $2))
+                   AND ($3::text IS NULL OR name = $3)
+                   AND ($4::text IS NULL OR client_key = $4 OR id = $5)
+                   AND ($6::text[] IS NULL OR state::text = ANY ($6))
+                 ORDER BY created_at DESC, id DESC LIMIT $1",
+            )
+            .bind(limit)
+            .bind(cursor)
+            .bind(filter.name.as_deref())
+            .bind(filter.search.as_deref())
+            .bind(search_id)
+            .bind(stored.as_deref())
+            .fetch_all(&mut *tx)
+            .await?;
+            let full = rows.len() as i64 == limit;
+            cursor = rows.last().map(|r| r.id);
+            let ids: Vec<Uuid> = rows.iter().map(|r| r.id).collect();
+            let mut details = step_details(&mut tx, &ids).await?;
+            for r in rows {
+                let steps = details.remove(&r.id).unwrap_or_default();
+                let w = r.detail(steps)?;
+                if filter.states.is_empty() || filter.states.contains(&w.product_state()) {
+                    page.workflows.push(w);
+                }
+                if page.workflows.len() as i64 == limit {
+                    break;
+                }
+            }
+            page.next = match page.workflows.len() as i64 == limit {
+                true => page.workflows.last().map(|w| w.id),
+                false => full.then(|| cursor.map(WorkflowId::from_uuid)).flatten(),
+            };
+            if !full || page.workflows.len() as i64 == limit {
+                break;
+            }
+        }
         tx.commit().await?;
-        rows.into_iter()
-            .map(|r| {
-                Ok(WorkflowDetail {
-                    id: WorkflowId::from_uuid(r.id),
-                    client_key: r.client_key,
-                    name: r.name,
-                    state: parse(&r.state)?,
-                    deadline: r.deadline,
-                    created_at: r.created_at,
-                    steps: details.remove(&r.id).unwrap_or_default(),
-                })
-            })
-            .collect()
+        Ok(page)
     }
 
     /// Running workflows whose deadline has passed (PostgreSQL time), oldest deadline first.
@@ -738,12 +877,24 @@ async fn step_details(
                 s.expires_at, coalesce(s.expires_at <= now(), false) AS lease_expired,
                 s.next_eligible_at, s.next_eligible_at > now() AS waiting,
                 a.checkpoint::text AS checkpoint, a.state::text AS attempt_state,
-                s.attempts_made
+                s.attempts_made, s.input,
+                ARRAY(SELECT u.name FROM step_dependencies d JOIN steps u ON u.id = d.depends_on
+                      WHERE d.step_id = s.id ORDER BY u.position) AS depends_on,
+                e.kind AS event_kind, e.detail AS event_detail,
+                (SELECT ri.reason FROM review_items ri
+                 WHERE ri.step_id = s.id AND ri.state = 'open'
+                 ORDER BY ri.created_at DESC LIMIT 1) AS review_reason
          FROM steps s LEFT JOIN attempts a ON a.id = s.current_attempt_id
+         LEFT JOIN LATERAL (
+             SELECT x.kind, x.detail FROM step_events x
+             WHERE x.step_id = s.id AND x.kind = ANY ($2)
+             ORDER BY x.id DESC LIMIT 1
+         ) e ON true
          WHERE s.workflow_id = ANY($1)
          ORDER BY s.workflow_id, s.position",
     )
     .bind(workflows)
+    .bind(reasons::EXPLAINING_EVENTS)
     .fetch_all(&mut *conn)
     .await?;
     let receipts: Vec<ReceiptRow> = sqlx::query_as(concat!(
@@ -762,12 +913,29 @@ async fn step_details(
         .collect::<Result<_>>()?;
     let mut out: std::collections::HashMap<Uuid, Vec<StepDetail>> = Default::default();
     for r in rows {
+        let state: StepState = parse(&r.state)?;
+        let receipt = receipts.remove(&r.id);
+        let reason = reasons::step_reason(&reasons::StepReasonFacts {
+            state,
+            adapter: &r.adapter,
+            receipt: receipt.as_ref().map(|x| reasons::ReceiptFacts {
+                outcome: x.outcome,
+                verification: x.verification,
+                result: &x.observed_result,
+            }),
+            last: r
+                .event_kind
+                .as_deref()
+                .zip(r.event_detail.as_ref())
+                .map(|(kind, detail)| reasons::LastEvent { kind, detail }),
+            review: r.review_reason.as_deref(),
+        });
         let detail = StepDetail {
             id: StepId::from_uuid(r.id),
             name: r.name,
             adapter: r.adapter,
             operation: r.operation,
-            state: parse(&r.state)?,
+            state,
             input_digest: r.input_digest,
             request_identity: r.request_identity,
             lease_owner: r.lease_owner,
@@ -780,7 +948,10 @@ async fn step_details(
             checkpoint: r.checkpoint.as_deref().map(parse).transpose()?,
             last_attempt: r.attempt_state.as_deref().map(parse).transpose()?,
             attempts_made: r.attempts_made,
-            receipt: receipts.remove(&r.id),
+            receipt,
+            input: r.input,
+            depends_on: r.depends_on,
+            reason,
         };
         out.entry(r.workflow_id).or_default().push(detail);
     }

@@ -238,7 +238,10 @@ async fn workflow_reads_walk_indexes_whatever_plan_their_connection_cached(pool:
     // the tables tiny: the connection plans the reads, then caches a generic plan (after five)
     for _ in 0..8 {
         store.workflow(c.workflow).await.unwrap();
-        store.list_workflows(10, None).await.unwrap();
+        store
+            .list_workflows(10, None, &Default::default())
+            .await
+            .unwrap();
     }
     // then they grow: 3,000 more workflows, each with its step, attempt and receipt
     sqlx::query(
@@ -279,7 +282,15 @@ async fn workflow_reads_walk_indexes_whatever_plan_their_connection_cached(pool:
         read.steps[0].receipt.is_some(),
         "the read still joins the receipt"
     );
-    assert_eq!(store.list_workflows(10, None).await.unwrap().len(), 10);
+    assert_eq!(
+        store
+            .list_workflows(10, None, &Default::default())
+            .await
+            .unwrap()
+            .workflows
+            .len(),
+        10
+    );
     flush_statistics(&one).await;
     for (t, before) in TABLES.iter().zip(before) {
         assert_eq!(
