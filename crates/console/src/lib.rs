@@ -1,7 +1,8 @@
 //! The operator console (docs/design.md §7): one page that shows workflows in their product states
-//! with live updates, each step's timeline with its lease history, attempts, checkpoints,
-//! evidence and recovery decisions under technical details, the review queue with its resolve
-//! form, and the four metric levels. It holds no state and no SQL: it reads the public gRPC
+//! with live updates (filtered by state and name, searched by id or client key, a page at a
+//! time), each step's input, result and the reason it failed or waits, its timeline with its
+//! lease history, attempts, checkpoints, evidence and recovery decisions under technical
+//! details, a cancel form, the review queue with its resolve form, and the four metric levels. It holds no state and no SQL: it reads the public gRPC
 //! services (`WorkflowService` on the scheduler, `ReviewService` on recovery) and the services'
 //! `/metrics`, and serves the page plus a JSON API (`/api/...`) the page polls.
 //!
@@ -13,7 +14,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use anyhow::Context;
-use axum::extract::{Path, State};
+use axum::extract::{Path, RawQuery, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{Html, IntoResponse, Redirect, Response};
 use axum::routing::{get, post};
@@ -22,10 +23,11 @@ use axum_extra::extract::cookie::CookieJar;
 use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
 use tonic::transport::Channel;
+use z29c_core::{Action, ProductState};
 use z29c_proto::v1 as pb;
 use z29c_proto::v1::review_service_client::ReviewServiceClient;
 use z29c_proto::v1::workflow_service_client::WorkflowServiceClient;
-use z29c_security::{Authed, Bearer, TlsConfig};
+use z29c_security::{Authed, Bearer, Caller, TlsConfig};
 
 use crate::session::{Refusal, Sessions};
 
@@ -176,8 +178,10 @@ fn router(app: App) -> Router {
         .route("/", get(page))
         .route("/login", get(login_page).post(login))
         .route("/logout", post(logout))
+        .route("/api/me", get(me))
         .route("/api/workflows", get(list_workflows))
         .route("/api/workflows/{id}", get(workflow))
+        .route("/api/workflows/{id}/cancel", post(cancel))
         .route("/api/reviews", get(open_review_items))
         .route("/api/reviews/{id}/resolve", post(resolve))
         .route("/api/metrics", get(metrics_overview))
@@ -193,7 +197,21 @@ async fn page(State(app): State<App>, jar: CookieJar) -> Response {
         .get(session::SESSION_COOKIE)
         .map(|c| c.value().to_owned());
     let jar = jar.add(app.sessions.csrf_cookie(session.as_deref()));
-    (jar, Html(include_str!("../assets/index.html"))).into_response()
+    let page = include_str!("../assets/index.html").replace("/*states*/[]", &states_json());
+    (jar, Html(page)).into_response()
+}
+
+/// Every product state with its wording, for the page's filter: the page names states only as
+/// `ProductState` does.
+fn states_json() -> String {
+    let states: Vec<(&str, &str)> = ProductState::ALL
+        .iter()
+        .map(|p| (p.as_str(), p.label()))
+        .collect();
+    // inside a <script>: no text of it may close the element
+    serde_json::to_string(&states)
+        .unwrap_or_else(|_| "[]".into())
+        .replace('<', "\\u003c")
 }
 
 const LOGIN_PAGE: &str = include_str!("../assets/login.html");
@@ -307,19 +325,137 @@ fn invalid(field: &str, reason: &str) -> ApiError {
     )))
 }
 
+/// Who is signed in and what the page offers them. The services still decide every call:
+/// this only spares a person a form they would be refused.
+#[derive(Debug, Serialize)]
+struct Me {
+    subject: String,
+    may_cancel: bool,
+    may_resolve: bool,
+}
+
+async fn me(State(app): State<App>, jar: CookieJar) -> Result<Json<Me>, ApiError> {
+    let (caller, _) = app.sessions.caller(&jar)?;
+    let caller = caller.unwrap_or_else(Caller::unauthenticated_development);
+    Ok(Json(Me {
+        may_cancel: z29c_core::access::allowed(&caller.roles, Action::Cancel),
+        may_resolve: z29c_core::access::allowed(&caller.roles, Action::Resolve),
+        subject: caller.subject,
+    }))
+}
+
+/// How many workflows a page shows unless it asks for another number.
+const DEFAULT_PAGE_SIZE: u32 = 50;
+/// The most the scheduler returns in one page.
+const MAX_PAGE_SIZE: u32 = 500;
+
+/// The workflow list's filter and page, from the query string: `state` (repeated, or
+/// comma-separated), `name` (exact), `search` (a workflow id or client key, exact),
+/// `page_token` (the previous page's `next_page_token`) and `page_size`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct ListFilter {
+    states: Vec<ProductState>,
+    name: String,
+    search: String,
+    page_token: String,
+    page_size: u32,
+}
+
+impl ListFilter {
+    fn parse(query: &str) -> Result<Self, ApiError> {
+        let mut f = Self {
+            states: Vec::new(),
+            name: String::new(),
+            search: String::new(),
+            page_token: String::new(),
+            page_size: DEFAULT_PAGE_SIZE,
+        };
+        for (key, value) in url::form_urlencoded::parse(query.as_bytes()) {
+            let value = value.trim();
+            match &*key {
+                "state" => {
+                    for s in value.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+                        let p = s.parse::<ProductState>().map_err(|_| {
+                            let known: Vec<&str> =
+                                ProductState::ALL.iter().map(|p| p.as_str()).collect();
+                            invalid(
+                                "state",
+                                &format!("{s:?} is not one of {}", known.join(", ")),
+                            )
+                        })?;
+                        if !f.states.contains(&p) {
+                            f.states.push(p);
+                        }
+                    }
+                }
+                "name" => value.clone_into(&mut f.name),
+                "search" => value.clone_into(&mut f.search),
+                "page_token" => value.clone_into(&mut f.page_token),
+                "page_size" if !value.is_empty() => {
+                    f.page_size = value
+                        .parse()
+                        .ok()
+                        .filter(|n| (1..=MAX_PAGE_SIZE).contains(n))
+                        .ok_or_else(|| {
+                            invalid(
+                                "page_size",
+                                &format!("{value:?} is not a number from 1 to {MAX_PAGE_SIZE}"),
+                            )
+                        })?;
+                }
+                // anything else (a cache buster, say) does not narrow the list
+                _ => {}
+            }
+        }
+        Ok(f)
+    }
+
+    fn request(&self) -> pb::ListRequest {
+        pb::ListRequest {
+            page_size: self.page_size,
+            page_token: self.page_token.clone(),
+            states: self.states.iter().map(|p| view::wire(*p) as i32).collect(),
+            name: self.name.clone(),
+            search: self.search.clone(),
+        }
+    }
+
+    /// Whether `row` is one the filter asks for. The scheduler filters; the console checks
+    /// again so that a scheduler which predates filtering (and ignores it) never has the page
+    /// show a workflow under a filter it does not match.
+    fn admits(&self, row: &view::WorkflowRow) -> bool {
+        (self.states.is_empty() || self.states.iter().any(|s| s.as_str() == row.state))
+            && (self.name.is_empty() || row.name == self.name)
+            && (self.search.is_empty()
+                || row.client_key == self.search
+                || row.id.eq_ignore_ascii_case(&self.search))
+    }
+}
+
+/// One page of the workflow list; `next_page_token` is empty on the last.
+#[derive(Debug, Serialize)]
+struct WorkflowPage {
+    workflows: Vec<view::WorkflowRow>,
+    next_page_token: String,
+}
+
 async fn list_workflows(
     State(app): State<App>,
     jar: CookieJar,
-) -> Result<Json<Vec<view::WorkflowRow>>, ApiError> {
+    RawQuery(query): RawQuery,
+) -> Result<Json<WorkflowPage>, ApiError> {
+    let filter = ListFilter::parse(query.as_deref().unwrap_or(""))?;
     let (mut workflows, _) = app.clients(&jar)?;
-    let list = workflows
-        .list(pb::ListRequest {
-            page_size: 100,
-            ..Default::default()
-        })
-        .await?
-        .into_inner();
-    Ok(Json(list.workflows.iter().map(view::row).collect()))
+    let list = workflows.list(filter.request()).await?.into_inner();
+    Ok(Json(WorkflowPage {
+        workflows: list
+            .workflows
+            .iter()
+            .map(view::row)
+            .filter(|r| filter.admits(r))
+            .collect(),
+        next_page_token: list.next_page_token,
+    }))
 }
 
 async fn workflow(
@@ -330,6 +466,41 @@ async fn workflow(
     let (mut workflows, _) = app.clients(&jar)?;
     let w = workflows
         .get(pb::GetRequest { workflow_id: id })
+        .await?
+        .into_inner();
+    Ok(Json(view::workflow(&w)))
+}
+
+/// The cancel form's fields.
+#[derive(Debug, Deserialize)]
+struct CancelForm {
+    #[serde(default)]
+    reason: String,
+}
+
+/// Cancels a workflow: the scheduler decides whether the signed-in person may (operators may)
+/// and audits it; its steps not yet started never start.
+async fn cancel(
+    State(app): State<App>,
+    jar: CookieJar,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    Json(form): Json<CancelForm>,
+) -> Result<Json<view::WorkflowView>, ApiError> {
+    app.sessions.check_forgery(&jar, &headers)?;
+    let (mut workflows, _) = app.clients(&jar)?;
+    let reason = form.reason.trim();
+    if reason.is_empty() {
+        return Err(invalid(
+            "reason",
+            "say why the workflow is cancelled: the people who follow it read this",
+        ));
+    }
+    let w = workflows
+        .cancel(pb::CancelRequest {
+            workflow_id: id,
+            reason: reason.to_owned(),
+        })
         .await?
         .into_inner();
     Ok(Json(view::workflow(&w)))
@@ -387,6 +558,58 @@ struct ResolveForm {
     resolution: String,
     #[serde(default)]
     external_reference: String,
+    /// With `succeeded`, optionally: the result the person found, as JSON text.
+    #[serde(default)]
+    result_json: String,
+}
+
+impl ResolveForm {
+    /// What the person decided, with the result they pasted, or which field to correct.
+    /// Nothing is chosen for them: no outcome is no decision.
+    fn decision(&self) -> Result<(pb::resolve_request::Resolution, String), ApiError> {
+        use pb::resolve_request::Resolution;
+        let resolution = match self.resolution.as_str() {
+            "" => {
+                return Err(invalid(
+                    "resolution",
+                    "choose what happened (the effect happened, it did not, or send again); \
+                     nothing is chosen for you",
+                ));
+            }
+            "succeeded" if self.external_reference.trim().is_empty() => {
+                return Err(invalid(
+                    "external_reference",
+                    "say which external reference the effect has",
+                ));
+            }
+            "succeeded" => {
+                Resolution::SucceededExternalReference(self.external_reference.trim().into())
+            }
+            "failed" => Resolution::Failed(true),
+            "retry_same_identity" => Resolution::RetrySameIdentity(true),
+            other => {
+                return Err(invalid(
+                    "resolution",
+                    &format!("{other:?} is not succeeded, failed or retry_same_identity"),
+                ));
+            }
+        };
+        let result = self.result_json.trim();
+        if result.is_empty() {
+            return Ok((resolution, String::new()));
+        }
+        if !matches!(resolution, Resolution::SucceededExternalReference(_)) {
+            return Err(invalid(
+                "result_json",
+                "only an effect that happened has a result: choose that it happened, or leave \
+                 the result empty",
+            ));
+        }
+        // passed on as pasted (key order, number precision), once it is known to be JSON
+        serde_json::from_str::<serde_json::Value>(result)
+            .map_err(|e| invalid("result_json", &format!("the result is not JSON: {e}")))?;
+        Ok((resolution, result.to_owned()))
+    }
 }
 
 async fn resolve(
@@ -396,38 +619,19 @@ async fn resolve(
     Path(id): Path<String>,
     Json(form): Json<ResolveForm>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
-    use pb::resolve_request::Resolution;
     app.sessions.check_forgery(&jar, &headers)?;
     let (_, mut reviews) = app.clients(&jar)?;
     let expected_version = form
         .expected_version
         .ok_or_else(|| invalid("expected_version", "required"))?;
-    let resolution = match form.resolution.as_str() {
-        "succeeded" if form.external_reference.trim().is_empty() => {
-            return Err(invalid(
-                "external_reference",
-                "say which external reference the effect has",
-            ));
-        }
-        "succeeded" => {
-            Resolution::SucceededExternalReference(form.external_reference.trim().into())
-        }
-        "failed" => Resolution::Failed(true),
-        "retry_same_identity" => Resolution::RetrySameIdentity(true),
-        _ => {
-            return Err(invalid(
-                "resolution",
-                "choose succeeded, failed or retry_same_identity",
-            ));
-        }
-    };
+    let (resolution, result_json) = form.decision()?;
     let item = reviews
         .resolve(pb::ResolveRequest {
             item_id: id,
             expected_version,
             reason: form.reason,
             resolution: Some(resolution),
-            result_json: String::new(),
+            result_json,
         })
         .await?
         .into_inner();
@@ -445,4 +649,122 @@ async fn metrics_overview(
 ) -> Result<Json<metrics::Overview>, ApiError> {
     app.sessions.caller(&jar)?;
     Ok(Json(metrics::overview(&app.http, &app.metrics).await))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn form(resolution: &str, reference: &str, result: &str) -> ResolveForm {
+        ResolveForm {
+            expected_version: Some(1),
+            reason: "checked".into(),
+            resolution: resolution.into(),
+            external_reference: reference.into(),
+            result_json: result.into(),
+        }
+    }
+
+    fn refusal(e: ApiError) -> String {
+        assert_eq!(e.0.code(), tonic::Code::InvalidArgument);
+        e.0.message().to_owned()
+    }
+
+    #[test]
+    fn a_resolution_must_be_chosen_and_a_pasted_result_must_be_json() {
+        use pb::resolve_request::Resolution;
+        let none = refusal(form("", "", "").decision().unwrap_err());
+        assert!(none.starts_with("resolution: choose"), "{none}");
+        let (r, result) = form("succeeded", " ch_1 ", " {\"id\": \"ch_1\"} ")
+            .decision()
+            .unwrap();
+        assert_eq!(r, Resolution::SucceededExternalReference("ch_1".into()));
+        assert_eq!(result, "{\"id\": \"ch_1\"}", "passed on as pasted");
+        let (_, result) = form("succeeded", "ch_1", "  ").decision().unwrap();
+        assert_eq!(result, "", "a result is optional");
+        let bad = refusal(form("succeeded", "ch_1", "{id: 1").decision().unwrap_err());
+        assert!(
+            bad.starts_with("result_json: the result is not JSON"),
+            "{bad}"
+        );
+        let misplaced = refusal(form("failed", "", "{}").decision().unwrap_err());
+        assert!(misplaced.starts_with("result_json:"), "{misplaced}");
+        let unreferenced = refusal(form("succeeded", " ", "").decision().unwrap_err());
+        assert!(
+            unreferenced.starts_with("external_reference:"),
+            "{unreferenced}"
+        );
+        assert_eq!(
+            form("failed", "", "").decision().unwrap().0,
+            Resolution::Failed(true)
+        );
+        assert_eq!(
+            form("retry_same_identity", "", "").decision().unwrap().0,
+            Resolution::RetrySameIdentity(true)
+        );
+        assert!(form("maybe", "", "").decision().is_err());
+    }
+
+    #[test]
+    fn the_list_filter_reads_states_name_search_and_page() {
+        let f = ListFilter::parse(
+            "state=failed&state=needs_review,failed&name=order&search=%20key-1%20&page_token=t&page_size=10&_=1",
+        )
+        .unwrap();
+        assert_eq!(
+            f.states,
+            [ProductState::Failed, ProductState::NeedsReview],
+            "each state once"
+        );
+        assert_eq!((f.name.as_str(), f.search.as_str()), ("order", "key-1"));
+        let req = f.request();
+        assert_eq!(
+            req.states,
+            [
+                pb::ProductState::Failed as i32,
+                pb::ProductState::NeedsReview as i32
+            ]
+        );
+        assert_eq!((req.page_token.as_str(), req.page_size), ("t", 10));
+        let all = ListFilter::parse("").unwrap();
+        assert!(all.states.is_empty() && all.search.is_empty());
+        assert_eq!(all.page_size, DEFAULT_PAGE_SIZE);
+        let bad = refusal(ListFilter::parse("state=done").unwrap_err());
+        assert!(bad.contains("\"done\" is not one of preparing"), "{bad}");
+        for size in ["0", "501", "x"] {
+            assert!(ListFilter::parse(&format!("page_size={size}")).is_err());
+        }
+    }
+
+    #[test]
+    fn the_filter_admits_only_what_it_asks_for() {
+        let row = |id: &str, key: &str, name: &str, state: &'static str| view::WorkflowRow {
+            id: id.into(),
+            name: name.into(),
+            client_key: key.into(),
+            state,
+            label: "",
+            created_at: None,
+            steps: 1,
+            steps_completed: 0,
+        };
+        let failed = row("0A", "key-1", "order", "failed");
+        let done = row("0b", "key-2", "refund", "completed");
+        let f = |q: &str| ListFilter::parse(q).unwrap();
+        assert!(f("").admits(&failed) && f("").admits(&done));
+        assert!(f("state=failed").admits(&failed) && !f("state=failed").admits(&done));
+        assert!(f("state=failed,completed").admits(&done));
+        assert!(f("name=order").admits(&failed) && !f("name=order").admits(&done));
+        assert!(f("search=key-2").admits(&done) && !f("search=key-2").admits(&failed));
+        assert!(f("search=0a").admits(&failed), "an id in either case");
+        assert!(!f("search=key").admits(&failed), "exact, not a prefix");
+    }
+
+    #[test]
+    fn the_page_gets_every_state_and_its_wording() {
+        let states: Vec<(String, String)> = serde_json::from_str(&states_json()).unwrap();
+        assert_eq!(states.len(), ProductState::ALL.len());
+        assert!(states.contains(&("needs_review".into(), "Delivery status needs review".into())));
+        assert!(include_str!("../assets/index.html").contains("/*states*/[]"));
+    }
 }

@@ -30,6 +30,11 @@ pub struct WorkflowView {
     #[serde(flatten)]
     pub row: WorkflowRow,
     pub deadline: Option<DateTime<Utc>>,
+    /// Why the workflow failed or was cancelled; empty otherwise.
+    pub reason: String,
+    /// Whether it has not ended as far as its product state says, so the cancel form is
+    /// offered (the scheduler still refuses a workflow that ended with a step under review).
+    pub cancellable: bool,
     pub step_views: Vec<StepView>,
 }
 
@@ -41,6 +46,16 @@ pub struct StepView {
     pub operation: String,
     pub state: &'static str,
     pub label: &'static str,
+    /// Why the step failed, waits for a person, or has an unknown outcome; empty otherwise.
+    pub reason: String,
+    /// Whether [`Self::reason`] is what a person must read first (see [`needs_attention`]).
+    pub attention: bool,
+    /// The steps whose results this one waits for.
+    pub depends_on: Vec<String>,
+    /// What the step sends, indented ([`pretty_json`]); `None` when not known.
+    pub input: Option<String>,
+    /// What the external system answered, indented, once the step has its receipt.
+    pub result: Option<String>,
     pub receipt: Option<ReceiptView>,
     /// Product states in order; worker churn never adds an entry.
     pub timeline: Vec<TimelineEntry>,
@@ -119,6 +134,8 @@ pub struct ReviewView {
     pub operation: String,
     pub request_identity: String,
     pub attempts_made: u32,
+    /// What the step sent, indented: what a person looks for at the destination.
+    pub input: Option<String>,
     /// Everything z29c holds about the step, oldest first: every attempt (whether it may have
     /// sent, the answer recorded on it), every late observation, every recovery decision.
     pub evidence: Vec<EvidenceView>,
@@ -155,6 +172,49 @@ pub fn product(p: pb::ProductState) -> ProductState {
     }
 }
 
+/// The wire value of a core product state.
+pub fn wire(p: ProductState) -> pb::ProductState {
+    use pb::ProductState as W;
+    match p {
+        ProductState::Preparing => W::Preparing,
+        ProductState::WaitingOnExternalService => W::WaitingOnExternalService,
+        ProductState::RecoveringExecution => W::RecoveringExecution,
+        ProductState::NeedsReview => W::NeedsReview,
+        ProductState::Completed => W::Completed,
+        ProductState::Failed => W::Failed,
+        ProductState::Cancelled => W::Cancelled,
+    }
+}
+
+/// Whether a workflow in state `p` has ended: completed, failed or cancelled.
+pub const fn ended(p: ProductState) -> bool {
+    matches!(
+        p,
+        ProductState::Completed | ProductState::Failed | ProductState::Cancelled
+    )
+}
+
+/// Whether a step's reason is the first thing a person must read: it failed, it waits for
+/// them, or what happened at the destination is not known yet.
+pub const fn needs_attention(p: ProductState) -> bool {
+    matches!(
+        p,
+        ProductState::Failed | ProductState::NeedsReview | ProductState::RecoveringExecution
+    )
+}
+
+/// JSON text as a person reads it: indented, or as it came when it is not JSON (shown, never
+/// hidden: it is what z29c holds). Empty text is `None`.
+pub fn pretty_json(text: &str) -> Option<String> {
+    if text.trim().is_empty() {
+        return None;
+    }
+    let pretty = serde_json::from_str::<Value>(text)
+        .ok()
+        .and_then(|v| serde_json::to_string_pretty(&v).ok());
+    Some(pretty.unwrap_or_else(|| text.to_owned()))
+}
+
 fn verification(v: pb::Verification) -> &'static str {
     match v {
         pb::Verification::Unspecified => "unspecified",
@@ -188,6 +248,8 @@ pub fn workflow(w: &pb::Workflow) -> WorkflowView {
     WorkflowView {
         row: row(w),
         deadline: time(w.deadline.as_ref()),
+        reason: w.reason.clone(),
+        cancellable: !ended(product(w.state())),
         step_views: w.steps.iter().map(|s| step(s, created)).collect(),
     }
 }
@@ -277,6 +339,11 @@ pub fn step(s: &pb::Step, workflow_created: Option<DateTime<Utc>>) -> StepView {
         operation: s.operation.clone(),
         state: state.as_str(),
         label: state.label(),
+        reason: s.reason.clone(),
+        attention: needs_attention(state) && !s.reason.is_empty(),
+        depends_on: s.depends_on.clone(),
+        input: pretty_json(&s.input_json),
+        result: pretty_json(&s.result_json),
         receipt: s.receipt.as_ref().map(|r| ReceiptView {
             outcome: r.outcome.clone(),
             external_reference: r.external_reference.clone(),
@@ -296,8 +363,8 @@ pub fn review(item: &pb::ReviewItem, w: Option<&pb::Workflow>) -> ReviewView {
     let step = w
         .and_then(|w| w.steps.iter().find(|s| s.id == item.step_id))
         .map(|s| step(s, created));
-    let (adapter, operation, attempts_made) = match step {
-        Some(s) => (s.adapter, s.operation, s.technical.attempts_made),
+    let (adapter, operation, attempts_made, input) = match step {
+        Some(s) => (s.adapter, s.operation, s.technical.attempts_made, s.input),
         None => Default::default(),
     };
     let evidence = item
@@ -328,6 +395,7 @@ pub fn review(item: &pb::ReviewItem, w: Option<&pb::Workflow>) -> ReviewView {
         operation,
         request_identity: item.request_identity.clone(),
         attempts_made,
+        input,
         evidence,
     }
 }
@@ -403,5 +471,63 @@ mod tests {
         assert_eq!(owners, ["executor-1", "executor-2"]);
         assert_eq!(v.technical.evidence.len(), 1);
         assert_eq!(v.label, "Completed");
+    }
+
+    #[test]
+    fn every_product_state_crosses_the_wire_and_back() {
+        for &p in ProductState::ALL {
+            assert_eq!(product(wire(p)), p);
+        }
+    }
+
+    #[test]
+    fn a_failed_steps_reason_comes_first_and_its_json_is_indented() {
+        let s = pb::Step {
+            state: pb::ProductState::Failed as i32,
+            reason: "refused with 401: Invalid API Key provided".into(),
+            input_json: r#"{"amount":900,"note":"<b>"}"#.into(),
+            result_json: "not json at all".into(),
+            depends_on: vec!["reserve".into()],
+            ..Default::default()
+        };
+        let v = step(&s, None);
+        assert!(v.attention);
+        assert_eq!(v.reason, "refused with 401: Invalid API Key provided");
+        assert_eq!(
+            v.input.as_deref(),
+            Some("{\n  \"amount\": 900,\n  \"note\": \"<b>\"\n}")
+        );
+        assert_eq!(
+            v.result.as_deref(),
+            Some("not json at all"),
+            "kept as it came"
+        );
+        assert_eq!(v.depends_on, ["reserve"]);
+        // a completed step's words are no alarm, and nothing known is nothing shown
+        let done = step(
+            &pb::Step {
+                state: pb::ProductState::Completed as i32,
+                reason: "resolved by rita".into(),
+                ..Default::default()
+            },
+            None,
+        );
+        assert!(!done.attention);
+        assert_eq!((done.input, done.result), (None, None));
+    }
+
+    #[test]
+    fn only_a_workflow_that_has_not_ended_can_be_cancelled() {
+        for &p in ProductState::ALL {
+            let w = pb::Workflow {
+                state: wire(p) as i32,
+                ..Default::default()
+            };
+            let want = !matches!(
+                p,
+                ProductState::Completed | ProductState::Failed | ProductState::Cancelled
+            );
+            assert_eq!(workflow(&w).cancellable, want, "{p}");
+        }
     }
 }
