@@ -261,27 +261,28 @@ pub(crate) async fn run(args: DevArgs) -> anyhow::Result<()> {
         None => z29c_proto::workflow_file::parse(DEMO)?,
     };
     let access = client::Access::new(security.token.clone(), &security.tls);
-    let mut client = client::connect(&server, &access).await?;
-    let submitted = client
-        .submit(file.into_request()?)
+    let client = client::connect(&server, &access).await?;
+    let wf = client
+        .submit_file(file)
         .await
-        .map_err(|s| anyhow::anyhow!("demo submit refused: {}", s.message()))?
-        .into_inner();
-    let wf = submitted.workflow.context("no workflow in the answer")?;
+        .context("demo submit refused")?
+        .workflow;
     println!("demo workflow {} submitted", wf.id);
-    let end =
-        client::watch_until_done(&mut client, &wf.id, client::Output::Text, wf.steps.len()).await?;
-    let detail = client
-        .get(pb::GetRequest {
-            workflow_id: wf.id.clone(),
-        })
-        .await?
-        .into_inner();
-    client::print_workflow(&detail);
+    let mut out = client::Stdout::default();
+    let end = client::watch_until_done(
+        &client,
+        &wf.id,
+        client::Output::Text,
+        wf.steps.len(),
+        &mut out,
+    )
+    .await?;
+    let detail = client.get(&wf.id).await?;
+    client::print_workflow(&mut out, &detail)?;
     check_against_ledger(&detail, &destination).await?;
     println!(
-        "demo finished: {:?} after {:.1} s",
-        end,
+        "demo finished: {} after {:.1} s",
+        detail.state_label,
         started.elapsed().as_secs_f64()
     );
 
@@ -299,7 +300,7 @@ pub(crate) async fn run(args: DevArgs) -> anyhow::Result<()> {
     }
     drop(infra);
     if end != ProductState::Completed {
-        bail!("the demo workflow ended {end:?}");
+        bail!("the demo workflow ended {}", detail.state_label);
     }
     Ok(())
 }

@@ -1,10 +1,11 @@
-//! `z29c`: run the whole system on one machine (`z29c dev`), submit and follow workflows, apply
-//! migrations, or run one service.
+//! `z29c`: run the whole system on one machine (`z29c dev`), submit, follow, list and cancel
+//! workflows, work the review queue, apply migrations, or run one service.
 
 mod client;
 mod dev;
 mod infra;
 
+use std::io::Write;
 use std::path::PathBuf;
 
 use anyhow::Context;
@@ -17,8 +18,9 @@ use serde::de::DeserializeOwned;
     name = "z29c",
     version,
     about = "A durable workflow-step engine that never reads a lease as a receipt",
-    after_help = "Exit codes: 0 done (or accepted); 1 the workflow failed or was cancelled; \
-                  2 bad input; 3 the workflow waits for a person (review); \
+    after_help = "Exit codes (status, status --watch and submit --wait alike): 0 done, \
+                  accepted, or the workflow completed or still runs; 1 the workflow failed or \
+                  was cancelled; 2 bad input; 3 the workflow waits for a person (review); \
                   4 a service could not be reached or failed"
 )]
 struct Cli {
@@ -40,18 +42,40 @@ enum Command {
     /// Submit a workflow file (YAML).
     Submit {
         file: PathBuf,
-        /// Follow the workflow until it ends.
-        #[arg(long)]
+        /// Follow the workflow until it ends, printing each change.
+        #[arg(long, conflicts_with = "wait")]
         watch: bool,
+        /// Wait until the workflow ends (or needs review), then print it; the exit code says
+        /// how it ended, as `status` does.
+        #[arg(long)]
+        wait: bool,
         #[arg(long, env = "Z29C_SERVER", default_value = "http://127.0.0.1:50051")]
         server: String,
     },
-    /// Show a workflow: product states, receipts, and the lease history.
+    /// Show a workflow: product states, each step's reason, result and receipt, and the
+    /// lease history. The exit code says how it ended (0 while it runs).
     Status {
         workflow_id: String,
         /// Follow it live until it ends.
         #[arg(long)]
         watch: bool,
+        #[arg(long, env = "Z29C_SERVER", default_value = "http://127.0.0.1:50051")]
+        server: String,
+    },
+    /// List workflows, newest first: id, name, state, created time.
+    List {
+        #[command(flatten)]
+        args: client::ListArgs,
+        #[arg(long, env = "Z29C_SERVER", default_value = "http://127.0.0.1:50051")]
+        server: String,
+    },
+    /// Cancel a workflow. Steps not started are stopped; a step whose effect may exist still
+    /// ends in a receipt or in review.
+    Cancel {
+        workflow_id: String,
+        /// Why, in words people will read.
+        #[arg(long)]
+        reason: String,
         #[arg(long, env = "Z29C_SERVER", default_value = "http://127.0.0.1:50051")]
         server: String,
     },
@@ -137,7 +161,7 @@ struct ServiceArgs {
 
 fn parse_role(s: &str) -> Result<z29c_core::Role, String> {
     s.parse()
-        .map_err(|_| format!("{s:?} is not a role: use viewer, operator or resolver"))
+        .map_err(|_| format!("'{s}' is not a role: use viewer, operator or resolver"))
 }
 
 fn config<T: Serialize + DeserializeOwned + Default + z29c_runtime::Validate>(
@@ -145,10 +169,7 @@ fn config<T: Serialize + DeserializeOwned + Default + z29c_runtime::Validate>(
 ) -> anyhow::Result<Option<T>> {
     let c: T = z29c_runtime::load_config(args.config.as_deref())?;
     if args.dump_config {
-        #[allow(clippy::print_stdout)]
-        {
-            println!("{}", toml::to_string_pretty(&c)?);
-        }
+        client::Stdout::default().line(z29c_runtime::config::dump(&c)?)?;
         return Ok(None);
     }
     Ok(Some(c))
@@ -173,10 +194,8 @@ async fn main() -> std::process::ExitCode {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             let code = e.downcast_ref::<client::Exit>().map_or(4, |x| *x as u8);
-            #[allow(clippy::print_stderr)]
-            {
-                eprintln!("z29c: {e:#}");
-            }
+            // a closed stderr must not turn an answer into a panic
+            let _ = writeln!(std::io::stderr(), "z29c: {e:#}");
             std::process::ExitCode::from(code)
         }
     }
@@ -190,13 +209,20 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Submit {
             file,
             watch,
+            wait,
             server,
-        } => client::submit(&server, &file, watch, output, access).await,
+        } => client::submit(&server, &file, watch, wait, output, access).await,
         Command::Status {
             workflow_id,
             watch,
             server,
         } => client::status(&server, &workflow_id, watch, output, access).await,
+        Command::List { args, server } => client::list(&server, args, output, access).await,
+        Command::Cancel {
+            workflow_id,
+            reason,
+            server,
+        } => client::cancel(&server, &workflow_id, &reason, output, access).await,
         Command::Review {
             command,
             server,
@@ -221,11 +247,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 .map_err(|e| e.context(client::Exit::BadInput))?;
             let token =
                 z29c_security::token::mint(secret.trim(), &audience, &subject, &roles, ttl)?;
-            #[allow(clippy::print_stdout)]
-            {
-                println!("{token}");
-            }
-            Ok(())
+            client::Stdout::default().line(token)
         }
         Command::Migrate { database_url } => {
             z29c_store::Store::connect(&database_url, 2)
