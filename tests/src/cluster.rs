@@ -115,6 +115,8 @@ pub struct Cluster {
     pub destination_db: TestDatabase,
     pub prefix: String,
     pub scheduler_url: String,
+    /// The first scheduler's HTTP/JSON API (`https://` in a secure cluster).
+    pub http_url: String,
     /// Every scheduler's URL, the first's first.
     pub scheduler_urls: Vec<String>,
     pub destination_url: String,
@@ -296,6 +298,7 @@ impl Cluster {
             destination_db,
             prefix,
             scheduler_url: String::new(),
+            http_url: String::new(),
             scheduler_urls: Vec::new(),
             destination_url: format!("http://127.0.0.1:{destination_port}"),
             review_url: String::new(),
@@ -328,13 +331,19 @@ impl Cluster {
             cluster.add_gateway(permit_limit).await?;
         }
         let port = free_port()?;
+        let http_port = free_port()?;
         let sched = cluster.spawn(
             "scheduler",
             &["scheduler"],
-            &[("Z29C_LISTEN", format!("127.0.0.1:{port}"))],
+            &[
+                ("Z29C_LISTEN", format!("127.0.0.1:{port}")),
+                ("Z29C_HTTP_LISTEN", format!("127.0.0.1:{http_port}")),
+            ],
         )?;
         cluster.processes.push(sched);
         cluster.wait_listening(port).await?;
+        cluster.wait_listening(http_port).await?;
+        cluster.http_url = format!("{scheme}://127.0.0.1:{http_port}");
         cluster.scheduler_url = format!("{scheme}://127.0.0.1:{port}");
         cluster.scheduler_urls.push(cluster.scheduler_url.clone());
         for _ in 0..executors {

@@ -26,6 +26,10 @@ pub struct SchedulerConfig {
     /// Where the gRPC health protocol alone is served without TLS (kubelet probes cannot
     /// present a client certificate), if anywhere.
     pub health_listen: Option<std::net::SocketAddr>,
+    /// Where the HTTP/JSON API (`docs/openapi.yaml`) is served, if anywhere: the same
+    /// `WorkflowService` behind the same tokens, roles and limits, with `tls` as the gRPC port
+    /// has it (a client certificate from `tls.ca_file` required).
+    pub http_listen: Option<std::net::SocketAddr>,
     /// Each caller's workflow submissions per second (0: no limit) and burst.
     pub submissions_per_second: u32,
     pub submission_burst: u32,
@@ -59,6 +63,7 @@ impl Default for SchedulerConfig {
             max_request_bytes: 4 * 1024 * 1024,
             bounds: PlatformBounds::default(),
             health_listen: None,
+            http_listen: None,
             submissions_per_second: 500,
             submission_burst: 1_000,
             tls: TlsConfig::default(),

@@ -8,10 +8,12 @@
 //! # Layout
 //! - [`config`]: scheduler configuration.
 //! - [`service`]: the gRPC service and its mapping to and from the wire.
+//! - [`http`]: the HTTP/JSON API, a second door to the same service.
 //! - [`relay`]: the outbox relay and the deadline sweep.
 //! - [`maintenance`]: vacuuming z29c's tables where the server's autovacuum will not.
 
 pub mod config;
+pub mod http;
 pub mod maintenance;
 pub mod relay;
 pub mod service;
@@ -92,8 +94,28 @@ pub async fn run(
         )),
         false => None,
     };
-    let service =
-        service::Workflows::new(store, bus, config.limits(), guard, relay_wake, submissions);
+    let service = Arc::new(service::Workflows::new(
+        store,
+        bus,
+        config.limits(),
+        guard,
+        relay_wake,
+        submissions,
+    ));
+    let http = match config.http_listen {
+        Some(http_addr) => Some(
+            http::serve(
+                http_addr,
+                &config.tls,
+                config.max_request_bytes,
+                service.clone(),
+                shutdown.clone(),
+            )
+            .await?
+            .1,
+        ),
+        None => None,
+    };
     tracing::info!(%addr, "scheduler listening");
     if let Some(ready) = ready {
         let _ = ready.send(addr);
@@ -101,13 +123,17 @@ pub async fn run(
     z29c_runtime::server::builder(&config.tls, &config.grpc)?
         .add_service(health)
         .add_service(
-            WorkflowServiceServer::new(service).max_decoding_message_size(config.max_request_bytes),
+            WorkflowServiceServer::from_arc(service)
+                .max_decoding_message_size(config.max_request_bytes),
         )
         .serve_with_incoming_shutdown(
             tokio_stream::wrappers::TcpListenerStream::new(listener),
             shutdown.cancelled(),
         )
         .await?;
+    if let Some(http) = http {
+        let _ = http.await;
+    }
     let _ = relay.await;
     let _ = sweep.await;
     if let Some(vacuum) = vacuum {
