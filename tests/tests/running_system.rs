@@ -587,7 +587,9 @@ async fn bad_submissions_name_the_field_and_store_nothing() -> Result<()> {
     let status = client.submit(r).await.unwrap_err();
     assert_eq!(status.code(), tonic::Code::FailedPrecondition);
     assert!(
-        status.message().starts_with("steps[0].adapter: no gateway serves adapter \"carrier-pigeon\""),
+        status
+            .message()
+            .starts_with("steps[0].adapter: no gateway serves adapter \"carrier-pigeon\""),
         "{}",
         status.message()
     );

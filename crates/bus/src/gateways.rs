@@ -14,6 +14,9 @@ use z29c_proto::v1::adapter_gateway_client::AdapterGatewayClient;
 
 /// How old a read of the registry may be before the next call reads it again (behind itself).
 pub const REFRESH: Duration = Duration::from_secs(2);
+/// How old a read must be before an adapter it does not name makes the next call wait for a
+/// fresh one.
+pub const MISS_REFRESH: Duration = Duration::from_secs(1);
 
 #[derive(Debug, Clone)]
 pub struct Gateways {
@@ -102,16 +105,25 @@ impl Gateways {
         // a call goes by a read no older than a registration lives; an unreadable registry
         // finds no gateway, and the caller waits and tries again
         let _ = self.refresh(&mut cache, crate::REGISTRATION_TTL).await;
-        let serving: Vec<(String, String, AdapterCapability)> = cache
-            .records
-            .iter()
-            .filter_map(|g| {
-                g.adapters
-                    .iter()
-                    .find(|a| a.name == adapter)
-                    .map(|a| (g.id.clone(), g.endpoint.clone(), a.capability))
-            })
-            .collect();
+        let serving = |records: &[GatewayRecord]| -> Vec<(String, String, AdapterCapability)> {
+            records
+                .iter()
+                .filter_map(|g| {
+                    g.adapters
+                        .iter()
+                        .find(|a| a.name == adapter)
+                        .map(|a| (g.id.clone(), g.endpoint.clone(), a.capability))
+                })
+                .collect()
+        };
+        let mut found = serving(&cache.records);
+        // a gateway that registered since the last read serves it, perhaps: read again, at
+        // most once a [`MISS_REFRESH`]
+        if found.is_empty() && cache.fetched.is_none_or(|t| t.elapsed() >= MISS_REFRESH) {
+            let _ = self.refresh(&mut cache, Duration::ZERO).await;
+            found = serving(&cache.records);
+        }
+        let serving = found;
         if serving.is_empty() {
             return None;
         }

@@ -63,6 +63,11 @@ pub struct StepFacts {
     pub lease_expired: bool,
     /// `next_eligible_at` is in the future (a rate limit's retry-after).
     pub waiting_for_eligibility: bool,
+    /// The step has been given back without sending at least once (rate limited, no permit,
+    /// no gateway): until a call of it begins, it is waiting on an external service, also
+    /// between its turns.
+    #[serde(default)]
+    pub has_waited: bool,
 }
 
 /// The product state of one step.
@@ -86,6 +91,10 @@ pub fn project(f: &StepFacts) -> ProductState {
         StepState::Failed => P::Failed,
         StepState::Cancelled => P::Cancelled,
         StepState::Blocked if !invoked => P::Preparing,
+        // a wait goes on through the claims between its turns: one state for the whole wait
+        StepState::Recovering | StepState::Leased if !invoked && f.has_waited => {
+            P::WaitingOnExternalService
+        }
         StepState::Recovering | StepState::Leased if !invoked => P::Preparing,
         StepState::Recovering => P::RecoveringExecution,
         StepState::Leased if f.lease_expired => P::RecoveringExecution,
@@ -99,6 +108,7 @@ pub fn project(f: &StepFacts) -> ProductState {
         {
             P::RecoveringExecution
         }
+        StepState::Ready if f.has_waited => P::WaitingOnExternalService,
         StepState::Ready | StepState::Blocked => P::Preparing,
     }
 }
@@ -298,14 +308,17 @@ mod tests {
                     for receipt in receipts {
                         for lease_expired in [false, true] {
                             for waiting_for_eligibility in [false, true] {
-                                out.push(StepFacts {
-                                    state,
-                                    checkpoint,
-                                    last_attempt,
-                                    receipt,
-                                    lease_expired,
-                                    waiting_for_eligibility,
-                                });
+                                for has_waited in [false, true] {
+                                    out.push(StepFacts {
+                                        state,
+                                        checkpoint,
+                                        last_attempt,
+                                        receipt,
+                                        lease_expired,
+                                        waiting_for_eligibility,
+                                        has_waited,
+                                    });
+                                }
                             }
                         }
                     }
@@ -353,7 +366,7 @@ mod tests {
     fn a_takeover_before_invocation_is_invisible() {
         for f in all_facts() {
             let invoked = AttemptState::may_have_sent(f.checkpoint, f.last_attempt);
-            if !invoked && f.receipt.is_none() && f.state.holds_lease() {
+            if !invoked && f.receipt.is_none() && f.state.holds_lease() && !f.has_waited {
                 assert_eq!(project(&f), ProductState::Preparing, "{f:?}");
             }
         }
@@ -362,7 +375,7 @@ mod tests {
     #[test]
     fn every_combination_has_a_defined_state() {
         let all = all_facts();
-        assert_eq!(all.len(), 8 * 6 * 7 * 3 * 2 * 2);
+        assert_eq!(all.len(), 8 * 6 * 7 * 3 * 2 * 2 * 2);
         for f in all {
             let p = project(&f);
             let expected = match (f.receipt, f.state) {
@@ -386,6 +399,7 @@ mod tests {
             receipt: None,
             lease_expired: false,
             waiting_for_eligibility: false,
+            has_waited: false,
         };
         assert_eq!(project(&base), ProductState::WaitingOnExternalService);
         assert_eq!(
@@ -420,6 +434,7 @@ mod tests {
             receipt: None,
             lease_expired: false,
             waiting_for_eligibility: true,
+            has_waited: false,
         };
         assert_eq!(project(&ready), ProductState::WaitingOnExternalService);
         let eligible = StepFacts {
@@ -449,6 +464,58 @@ mod tests {
             ..never_ran
         };
         assert_eq!(project(&cancelled), ProductState::Cancelled);
+    }
+
+    /// A rate-limited step is claimed again at each turn and given back: through all of it,
+    /// until a call of it begins, it reads as waiting, never flipping back to preparing.
+    #[test]
+    fn a_wait_reads_as_one_state_through_its_turns() {
+        let waiting = StepFacts {
+            state: StepState::Ready,
+            checkpoint: Some(Checkpoint::RequestIdentityPersisted),
+            last_attempt: Some(AttemptState::Released),
+            receipt: None,
+            lease_expired: false,
+            waiting_for_eligibility: true,
+            has_waited: true,
+        };
+        let turns = [
+            waiting,
+            StepFacts {
+                waiting_for_eligibility: false,
+                ..waiting
+            },
+            StepFacts {
+                state: StepState::Leased,
+                last_attempt: Some(AttemptState::Active),
+                waiting_for_eligibility: false,
+                ..waiting
+            },
+        ];
+        for f in turns {
+            assert_eq!(project(&f), ProductState::WaitingOnExternalService, "{f:?}");
+        }
+        // once a call begins it is waiting on the call; a lapsed lease is recovery's
+        let calling = StepFacts {
+            checkpoint: Some(Checkpoint::InvocationBegan),
+            ..turns[2]
+        };
+        assert_eq!(project(&calling), ProductState::WaitingOnExternalService);
+        assert_eq!(
+            project(&StepFacts {
+                lease_expired: true,
+                ..calling
+            }),
+            ProductState::RecoveringExecution
+        );
+        // a step that never waited still reads as preparing before its first call
+        assert_eq!(
+            project(&StepFacts {
+                has_waited: false,
+                ..turns[2]
+            }),
+            ProductState::Preparing
+        );
     }
 
     #[test]

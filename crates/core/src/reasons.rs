@@ -31,10 +31,12 @@ pub struct StepReasonFacts<'a> {
     pub last: Option<LastEvent<'a>>,
     /// The open review item's reason, when the step waits for a person.
     pub review: Option<&'a str>,
+    /// Its current attempt's call may have begun.
+    pub invoked: bool,
 }
 
-/// The event kinds a reason is read from, latest first. An executor taking the lease
-/// (`lease_acquired`) means what came before is over.
+/// The event kinds a reason is read from, latest first. A lease taken again between the
+/// turns of a wait does not end the wait, so `lease_acquired` is not among them.
 pub const EXPLAINING_EVENTS: &[&str] = &[
     "failed_by_policy",
     "input_unresolved",
@@ -44,7 +46,6 @@ pub const EXPLAINING_EVENTS: &[&str] = &[
     "rate_limited",
     "retry_scheduled",
     "lease_released",
-    "lease_acquired",
     "lease_expired",
     "recovery_lease_acquired",
     "recovery_decision",
@@ -115,6 +116,14 @@ pub fn step_reason(f: &StepReasonFacts<'_>) -> Option<String> {
             None => "cancelled".to_owned(),
         }),
         StepState::Blocked => None,
+        // a call under way, its lease held: nothing to explain until it ends, unless it is
+        // another turn of a wait or of a retried refusal
+        StepState::Leased
+            if f.invoked
+                && !last.is_some_and(|e| matches!(e.kind, "rate_limited" | "retry_scheduled")) =>
+        {
+            None
+        }
         StepState::Ready | StepState::Leased | StepState::Recovering => {
             let e = last?;
             match e.kind {
@@ -185,6 +194,7 @@ mod tests {
             receipt,
             last,
             review: None,
+            invoked: false,
         }
     }
 
@@ -227,15 +237,37 @@ mod tests {
             verification: Verification::Direct,
             result: &result,
         };
-        assert_eq!(step_reason(&facts(StepState::Completed, Some(r), None)), None);
-        let detail = json!({});
-        let acquired = LastEvent {
-            kind: "lease_acquired",
+        assert_eq!(
+            step_reason(&facts(StepState::Completed, Some(r), None)),
+            None
+        );
+        let detail = json!({ "why": "rate limited by the destination" });
+        let waited = LastEvent {
+            kind: "rate_limited",
             detail: &detail,
         };
+        let calling = StepReasonFacts {
+            invoked: true,
+            ..facts(StepState::Leased, None, Some(waited))
+        };
         assert_eq!(
-            step_reason(&facts(StepState::Leased, None, Some(acquired))),
-            None
+            step_reason(&calling).unwrap(),
+            "waiting: rate limited by the destination",
+            "another turn of the wait"
+        );
+        let decided = json!({ "category": "unknown_outcome", "action": "retry_same_identity" });
+        let after_recovery = StepReasonFacts {
+            last: Some(LastEvent {
+                kind: "recovery_decision",
+                detail: &decided,
+            }),
+            ..calling
+        };
+        assert_eq!(step_reason(&after_recovery), None, "a call under way");
+        assert_eq!(
+            step_reason(&facts(StepState::Leased, None, Some(waited))).unwrap(),
+            "waiting: rate limited by the destination",
+            "claimed again between the turns of its wait"
         );
         assert_eq!(step_reason(&facts(StepState::Blocked, None, None)), None);
         assert_eq!(step_reason(&facts(StepState::Ready, None, None)), None);
@@ -368,8 +400,16 @@ mod tests {
         let steps = [
             ("reserve", StepState::Completed, None),
             ("ship", StepState::NeedsReview, Some("needs review: lost")),
-            ("charge", StepState::Failed, Some("refused: 401 Unauthorized")),
-            ("notify", StepState::Cancelled, Some("cancelled: a step failed")),
+            (
+                "charge",
+                StepState::Failed,
+                Some("refused: 401 Unauthorized"),
+            ),
+            (
+                "notify",
+                StepState::Cancelled,
+                Some("cancelled: a step failed"),
+            ),
         ];
         assert_eq!(
             workflow_reason(Some(" "), steps).unwrap(),

@@ -213,21 +213,23 @@ fn resolve_at<'a>(
                     for piece in pieces {
                         match piece {
                             Piece::Text(t) => text.push_str(&t),
-                            Piece::Ref(r) => match lookup(&r, upstream).map_err(|e| error(at, e))? {
-                                Value::String(s) => text.push_str(&s),
-                                v @ (Value::Number(_) | Value::Bool(_)) => {
-                                    text.push_str(&v.to_string())
+                            Piece::Ref(r) => {
+                                match lookup(&r, upstream).map_err(|e| error(at, e))? {
+                                    Value::String(s) => text.push_str(&s),
+                                    v @ (Value::Number(_) | Value::Bool(_)) => {
+                                        text.push_str(&v.to_string())
+                                    }
+                                    v => {
+                                        return Err(error(
+                                            at,
+                                            format!(
+                                                "{r} is {}, which cannot be put inside text; make it the whole string",
+                                                kind(&v)
+                                            ),
+                                        ));
+                                    }
                                 }
-                                v => {
-                                    return Err(error(
-                                        at,
-                                        format!(
-                                            "{r} is {}, which cannot be put inside text; make it the whole string",
-                                            kind(&v)
-                                        ),
-                                    ));
-                                }
-                            },
+                            }
                         }
                     }
                     Value::String(text)
@@ -397,7 +399,9 @@ mod tests {
     fn references_inside_text_become_text() {
         let result = reserve();
         let up = upstream(&result);
-        let input = json!("order ${steps.reserve.result/id}: ${steps.reserve.result/lines/0/qty} x, ok=${steps.reserve.result/ok}, ${steps.reserve.reference}");
+        let input = json!(
+            "order ${steps.reserve.result/id}: ${steps.reserve.result/lines/0/qty} x, ok=${steps.reserve.result/ok}, ${steps.reserve.reference}"
+        );
         assert_eq!(
             resolve(&input, &up).unwrap(),
             json!("order res_1: 2 x, ok=true, ref-9")

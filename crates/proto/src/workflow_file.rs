@@ -18,6 +18,9 @@ pub struct WorkflowFile {
     /// Idempotency key; a fresh one is made when absent.
     pub client_key: Option<String>,
     pub name: String,
+    /// When the workflow's outcome stops being useful (RFC 3339, e.g.
+    /// `2026-12-24T18:00:00Z`): past it, steps not yet started are cancelled.
+    pub deadline: Option<String>,
     pub steps: Vec<StepFile>,
 }
 
@@ -101,11 +104,26 @@ impl WorkflowFile {
                 policy: Some(policy),
             });
         }
+        let deadline = self
+            .deadline
+            .map(|d| {
+                chrono::DateTime::parse_from_rfc3339(d.trim())
+                    .map(|t| prost_types::Timestamp {
+                        seconds: t.timestamp(),
+                        nanos: t.timestamp_subsec_nanos() as i32,
+                    })
+                    .map_err(|e| {
+                        WorkflowFileError(format!(
+                            "deadline: {d:?} is not an RFC 3339 time such as 2026-12-24T18:00:00Z ({e})"
+                        ))
+                    })
+            })
+            .transpose()?;
         Ok(pb::SubmitRequest {
             client_key,
             name: self.name,
             steps,
-            deadline: None,
+            deadline,
         })
     }
 }
@@ -121,6 +139,21 @@ mod tests {
         let req = wf.into_request().unwrap();
         assert_eq!(req.steps[2].depends_on, ["charge"]);
         assert_eq!(req.steps[2].policy.as_ref().unwrap().lease_ms, 10_000);
+    }
+
+    #[test]
+    fn a_deadline_is_an_rfc_3339_time_and_a_bad_one_is_named() {
+        let wf = parse("name: x\ndeadline: 2026-12-24T18:00:00+01:00\nsteps: []\n").unwrap();
+        let t = wf.into_request().unwrap().deadline.unwrap();
+        assert_eq!((t.seconds, t.nanos), (1_798_131_600, 0));
+        let wf = parse("name: x\nsteps: []\n").unwrap();
+        assert_eq!(wf.into_request().unwrap().deadline, None);
+        let wf = parse("name: x\ndeadline: tomorrow\nsteps: []\n").unwrap();
+        let e = wf.into_request().unwrap_err().to_string();
+        assert!(
+            e.starts_with("deadline: \"tomorrow\" is not an RFC 3339 time"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -22,6 +22,10 @@ pub struct RecoveryConfig {
     pub batch: i64,
     /// How long a recovery lease lasts; a recovery worker that dies is itself recovered.
     pub recovery_lease_ms: u64,
+    /// How long recovery waits, asking again every two seconds, for a registered gateway to
+    /// describe a step's adapter before it decides as for an opaque adapter (a person
+    /// reviews). It never decides from a capability it does not know.
+    pub capability_patience_ms: u64,
     /// Mutual TLS: `ReviewService` requires a client certificate from `tls.ca_file`, and the
     /// same certificate is presented to gateways.
     pub tls: z29c_security::TlsConfig,
@@ -44,6 +48,7 @@ impl Default for RecoveryConfig {
             scan_ms: 500,
             batch: 50,
             recovery_lease_ms: 30_000,
+            capability_patience_ms: 60_000,
             tls: Default::default(),
             auth: Default::default(),
             grpc: Default::default(),

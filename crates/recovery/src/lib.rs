@@ -46,6 +46,8 @@ pub async fn run(
         gateways: z29c_bus::gateways::Gateways::new(bus, config.tls.clone()),
         owner,
         hold: Duration::from_millis(config.recovery_lease_ms),
+        capability_patience: Duration::from_millis(config.capability_patience_ms),
+        capability_unknown: Default::default(),
     };
     if let Some(addr) = config.shared.metrics_listen {
         z29c_telemetry::serve_prometheus(addr).context("serve /metrics")?;

@@ -133,9 +133,10 @@ impl ReviewService for Reviews {
         };
         let found = match req.result_json.trim() {
             "" => None,
-            text => Some(serde_json::from_str(text).map_err(|e| {
-                Status::invalid_argument(format!("result_json: not JSON: {e}"))
-            })?),
+            text => Some(
+                serde_json::from_str(text)
+                    .map_err(|e| Status::invalid_argument(format!("result_json: not JSON: {e}")))?,
+            ),
         };
         let resolved = self
             .store

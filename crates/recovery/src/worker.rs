@@ -2,7 +2,9 @@
 //! then act on it. Nothing here decides from a clock or a heartbeat; only durable evidence and
 //! the adapter's declared capability count.
 
-use std::time::Duration;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 use tracing::Instrument;
@@ -13,7 +15,7 @@ use z29c_core::recovery::{
 };
 use z29c_core::{
     AdapterCapability, ExternalReference, InputDigest, LeaseClaim, Outcome, OwnerId,
-    RecoveryCategory, RecoveryDecision, RequestIdentity, Verification, classify,
+    RecoveryCategory, RecoveryDecision, RequestIdentity, StepId, Verification, classify,
 };
 use z29c_proto::v1::{QueryRequest, query_response};
 use z29c_store::leases::Observed;
@@ -27,14 +29,22 @@ pub struct Context {
     pub gateways: Gateways,
     pub owner: OwnerId,
     pub hold: Duration,
+    /// How long a step waits for a gateway to describe its adapter before it is decided as
+    /// for an opaque one.
+    pub capability_patience: Duration,
+    /// Steps whose adapter no registered gateway has described, since when (this worker's
+    /// count: another instance taking the step counts its own).
+    pub capability_unknown: Arc<Mutex<HashMap<StepId, Instant>>>,
 }
 
 const QUERY_TIMEOUT: Duration = Duration::from_secs(5);
 /// How often recovery looks again at a step whose expired attempt's call is still in flight.
 const CALL_RECHECK: Duration = Duration::from_secs(2);
-/// How long a gateway that does not answer Describe is asked again before recovery gives up
-/// on it and treats the adapter as opaque.
+/// How long a gateway that does not answer Describe is asked again before recovery counts the
+/// adapter's capability as unknown for now.
 const DESCRIBE_PATIENCE: Duration = Duration::from_secs(3);
+/// How often recovery asks again for a capability no registered gateway described.
+const CAPABILITY_RECHECK: Duration = Duration::from_secs(2);
 
 /// Recovers one expired lease. Losing the race for the recovery lease to another instance is
 /// not an error: that instance decides.
@@ -66,10 +76,48 @@ async fn decide_on(
     z29c_telemetry::metrics::histogram!(z29c_telemetry::LEASE_EXPIRY_AGE)
         .record(expired.expired_for.num_milliseconds().max(0) as f64 / 1000.0);
     let chosen = ctx.gateways.for_adapter(&rec.snapshot.adapter).await;
-    let capability = match &chosen {
+    let described = match &chosen {
         Some(c) => described_capability(c, &rec.snapshot.adapter).await,
-        // an adapter nobody serves now cannot promise anything: treat it as opaque
-        None => AdapterCapability::Opaque,
+        None => None,
+    };
+    // `None`: no gateway has said yet, and recovery is still patient
+    let known = {
+        let mut unknown = ctx
+            .capability_unknown
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        match described {
+            Some(c) => {
+                unknown.remove(&expired.step);
+                Some(c)
+            }
+            None => {
+                // steps another instance decided meanwhile are forgotten in time
+                let forget_after = ctx.capability_patience * 4;
+                unknown.retain(|_, t| t.elapsed() < forget_after);
+                let since = *unknown.entry(expired.step).or_insert_with(Instant::now);
+                if since.elapsed() < ctx.capability_patience {
+                    None
+                } else {
+                    unknown.remove(&expired.step);
+                    tracing::warn!(step = %expired.step, adapter = %rec.snapshot.adapter, patience_ms = ctx.capability_patience.as_millis() as u64, "no gateway described the adapter in time; deciding as for an opaque adapter, which a person reviews");
+                    Some(AdapterCapability::Opaque)
+                }
+            }
+        }
+    };
+    let Some(capability) = known else {
+        // deciding as if for an opaque adapter could send an idempotent step to a person for
+        // nothing; a gateway that serves it may be starting
+        tracing::info!(step = %expired.step, adapter = %rec.snapshot.adapter, "no registered gateway describes the adapter; asking again before deciding");
+        return ctx
+            .store
+            .wait_for_call(
+                &rec.lease,
+                chrono::Utc::now() + CAPABILITY_RECHECK,
+                CAPABILITY_RECHECK,
+            )
+            .await;
     };
     // the broken build that sends an opaque request again, as if it were idempotent
     let judged_as = if capability == AdapterCapability::Opaque
@@ -348,14 +396,13 @@ async fn decide(
     Ok(id)
 }
 
-/// The capability the gateway itself declares for the adapter (its Describe answer); an
-/// adapter it does not describe, or a gateway that does not answer, promises nothing. A
-/// gateway that is restarting (the registry still names it) is asked again for a few seconds
-/// first, so a moment's outage does not send an idempotent step to a person.
+/// The capability the gateway itself declares for the adapter (its Describe answer); `None`
+/// when it does not describe the adapter or does not answer: unknown, for now. A gateway that
+/// is restarting (the registry still names it) is asked again for a few seconds first.
 async fn described_capability(
     chosen: &z29c_bus::gateways::Chosen,
     adapter: &str,
-) -> AdapterCapability {
+) -> Option<AdapterCapability> {
     use backon::Retryable;
     use z29c_proto::v1::AdapterCapability as Wire;
     let describe = || {
@@ -384,14 +431,14 @@ async fn described_capability(
             .adapters
             .into_iter()
             .find(|a| a.name == adapter)
-            .map_or(AdapterCapability::Opaque, |a| match a.capability() {
+            .map(|a| match a.capability() {
                 Wire::Idempotent => AdapterCapability::Idempotent,
                 Wire::Queryable => AdapterCapability::Queryable,
                 Wire::Opaque | Wire::Unspecified => AdapterCapability::Opaque,
             }),
         Err(status) => {
-            tracing::warn!(gateway = %chosen.gateway, %status, "describe failed; treating the adapter as opaque");
-            AdapterCapability::Opaque
+            tracing::warn!(gateway = %chosen.gateway, %status, "describe failed; the adapter's capability is unknown for now");
+            None
         }
     }
 }

@@ -136,12 +136,132 @@ where
     let mut figment = Figment::from(Serialized::defaults(T::default()))
         .merge(Serialized::default("database_url", DEFAULT_DATABASE_URL));
     if let Some(file) = file {
+        refuse_unknown_keys::<T>(file)?;
         figment = figment.merge(Toml::file_exact(file));
     }
     figment = figment.merge(Env::prefixed("Z29C_").split("__"));
     let config: T = figment.extract()?;
     config.validate()?;
     Ok(config)
+}
+
+/// Refuses a file holding a key the service does not read, naming the key and the file: a
+/// misspelt setting would otherwise be ignored, and its default run instead. The keys a
+/// service reads are those its defaults serialize to; a table its defaults leave empty (a
+/// map, such as an adapter's `limits`) takes any key, and each element of an array is
+/// checked against the default's first element. (The environment is not checked: it holds
+/// other programs' `Z29C_…` variables too.)
+fn refuse_unknown_keys<T: Serialize + Default>(file: &Path) -> anyhow::Result<()> {
+    use anyhow::Context;
+    let text = std::fs::read_to_string(file)
+        .with_context(|| format!("read the configuration file {}", file.display()))?;
+    let given: toml::Table =
+        toml::from_str(&text).with_context(|| format!("{}: not TOML", file.display()))?;
+    let known = serde_json::to_value(T::default())?;
+    let mut unknown = Vec::new();
+    unknown_keys(&known, &serde_json::to_value(given)?, "", &mut unknown);
+    if let Some(first) = unknown.first() {
+        anyhow::bail!(
+            "{}: unknown key `{first}`{} (a misspelt setting would be ignored; see --dump-config for every key)",
+            file.display(),
+            match unknown.len() {
+                1 => String::new(),
+                n => format!(" and {} more: {}", n - 1, unknown[1..].join(", ")),
+            }
+        );
+    }
+    Ok(())
+}
+
+fn unknown_keys(
+    known: &serde_json::Value,
+    given: &serde_json::Value,
+    at: &str,
+    out: &mut Vec<String>,
+) {
+    use serde_json::Value;
+    match (known, given) {
+        (Value::Object(known), Value::Object(given)) if !known.is_empty() => {
+            for (key, value) in given {
+                let path = if at.is_empty() {
+                    key.clone()
+                } else {
+                    format!("{at}.{key}")
+                };
+                match known.get(key) {
+                    Some(k) => unknown_keys(k, value, &path, out),
+                    None => out.push(path),
+                }
+            }
+        }
+        (Value::Array(known), Value::Array(given)) => {
+            if let Some(template) = known.first() {
+                for (i, value) in given.iter().enumerate() {
+                    unknown_keys(template, value, &format!("{at}[{i}]"), out);
+                }
+            }
+        }
+        _ => {}
+    }
+}
+
+/// A configuration as `--dump-config` prints it (TOML): secrets the types keep redact
+/// themselves, and every credential inside a URL (`nats://user:password@…`, a
+/// `base_url` with a password, a `password`, `token`, `secret` or `key` query parameter)
+/// is shown as `REDACTED`.
+pub fn dump<T: Serialize>(config: &T) -> anyhow::Result<String> {
+    let mut value = toml::Value::try_from(config)?;
+    redact_urls(&mut value);
+    Ok(toml::to_string_pretty(&value)?)
+}
+
+fn redact_urls(value: &mut toml::Value) {
+    match value {
+        toml::Value::String(s) => {
+            if let Some(redacted) = redacted_url(s) {
+                *s = redacted;
+            }
+        }
+        toml::Value::Array(items) => items.iter_mut().for_each(redact_urls),
+        toml::Value::Table(t) => t.iter_mut().for_each(|(_, v)| redact_urls(v)),
+        _ => {}
+    }
+}
+
+/// `s` with its URL credentials redacted, if it is a URL that holds any.
+fn redacted_url(s: &str) -> Option<String> {
+    use z29c_security::secret_url::REDACTED;
+    let mut url = url::Url::parse(s).ok()?;
+    if !url.has_host() {
+        return None;
+    }
+    let mut changed = false;
+    if url.password().is_some_and(|p| p != REDACTED) {
+        let _ = url.set_password(Some(REDACTED));
+        changed = true;
+    }
+    let secret = |k: &str| {
+        let k = k.to_ascii_lowercase();
+        ["password", "passwd", "token", "secret", "key"]
+            .iter()
+            .any(|w| k.contains(w))
+    };
+    if url.query_pairs().any(|(k, v)| secret(&k) && v != REDACTED) {
+        let pairs: Vec<(String, String)> = url
+            .query_pairs()
+            .map(|(k, v)| {
+                let v = if secret(&k) {
+                    REDACTED.to_owned()
+                } else {
+                    v.into_owned()
+                };
+                (k.into_owned(), v)
+            })
+            .collect();
+        url.query_pairs_mut().clear().extend_pairs(pairs);
+        changed = true;
+    }
+    changed.then(|| url.into())
 }
 
 #[cfg(test)]
@@ -215,6 +335,76 @@ mod tests {
             );
             Ok(())
         });
+    }
+
+    #[test]
+    // figment::Jail's closure returns figment's own (large) error type
+    #[allow(clippy::result_large_err)]
+    fn a_file_with_a_key_the_service_does_not_read_is_refused_naming_it() {
+        figment::Jail::expect_with(|jail| {
+            jail.create_file(
+                "ok.toml",
+                "prefix = \"prod\"\n[grpc]\nconcurrency_per_connection = 64\n",
+            )?;
+            let c: Service = load_config(Some(Path::new("ok.toml"))).map_err(|e| e.to_string())?;
+            assert_eq!(c.grpc.concurrency_per_connection, 64);
+            jail.create_file(
+                "typo.toml",
+                "prefx = \"prod\"\n[grpc]\nconcurency_per_connection = 64\n",
+            )?;
+            let e = load_config::<Service>(Some(Path::new("typo.toml")))
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.starts_with(
+                    "typo.toml: unknown key `grpc.concurency_per_connection` and 1 more: prefx"
+                ),
+                "{e}"
+            );
+            // the environment may hold any Z29C_ variable: other programs' too
+            jail.set_env("Z29C_SOMETHING_ELSE", "1");
+            load_config::<Service>(Some(Path::new("ok.toml"))).map_err(|e| e.to_string())?;
+            Ok(())
+        });
+    }
+
+    #[test]
+    fn arrays_are_checked_by_their_defaults_first_element_and_maps_take_any_key() {
+        let known = serde_json::json!({ "items": [{ "name": "", "limits": {} }], "n": 1 });
+        let given = serde_json::json!({
+            "items": [{ "name": "a", "limits": { "charges": 2 } }, { "nmae": "b" }],
+            "n": 2
+        });
+        let mut out = Vec::new();
+        unknown_keys(&known, &given, "", &mut out);
+        assert_eq!(out, ["items[1].nmae"]);
+    }
+
+    #[test]
+    fn a_dump_redacts_credentials_in_every_url() {
+        #[derive(Serialize)]
+        struct C {
+            nats_url: String,
+            adapters: Vec<A>,
+            plain: String,
+        }
+        #[derive(Serialize)]
+        struct A {
+            base_url: String,
+        }
+        let c = C {
+            nats_url: "nats://svc:hunter2@nats:4222".into(),
+            adapters: vec![A {
+                base_url: "https://api.example.com/v1?api_key=sk_live_1&region=eu".into(),
+            }],
+            plain: "not a url: hunter2".into(),
+        };
+        let out = dump(&c).unwrap();
+        assert!(!out.contains("hunter2@"), "{out}");
+        assert!(!out.contains("sk_live_1"), "{out}");
+        assert!(out.contains("nats://svc:REDACTED@nats:4222"), "{out}");
+        assert!(out.contains("api_key=REDACTED&region=eu"), "{out}");
+        assert!(out.contains("not a url: hunter2"), "{out}");
     }
 
     #[test]

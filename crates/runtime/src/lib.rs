@@ -46,7 +46,7 @@ where
     if dump {
         #[allow(clippy::print_stdout)]
         {
-            println!("{}", toml::to_string_pretty(&config)?);
+            println!("{}", config::dump(&config)?);
         }
         return Ok(());
     }

@@ -234,8 +234,10 @@ pub fn step_to_wire(s: &StepDetail, events: Vec<pb::StepEvent>) -> pb::Step {
             lease_owner: s.lease_owner.clone().unwrap_or_default(),
             lease_expires_at: s.lease_expires_at.map(timestamp),
             checkpoint: s.checkpoint.map(|c| c.to_string()).unwrap_or_default(),
-            attempts: u32::try_from(s.attempts_made).unwrap_or(0),
+            attempts: u32::try_from(s.calls_begun).unwrap_or(0),
             events,
+            given_back: u32::try_from(i64::from(s.attempts_made) - s.calls_begun).unwrap_or(0),
+            waits: u32::try_from(s.waits).unwrap_or(0),
         }),
         input_json: s.input.to_string(),
         result_json: s
@@ -245,6 +247,9 @@ pub fn step_to_wire(s: &StepDetail, events: Vec<pb::StepEvent>) -> pb::Step {
             .unwrap_or_default(),
         reason: s.reason.clone().unwrap_or_default(),
         depends_on: s.depends_on.clone(),
+        next_attempt_at: s
+            .waiting_for_eligibility
+            .then(|| timestamp(s.next_eligible_at)),
     }
 }
 

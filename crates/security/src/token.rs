@@ -22,8 +22,8 @@ pub struct AuthConfig {
     /// development only; a warning says so).
     pub enabled: bool,
     /// Shared secrets for HS256 tokens; any of them verifies (so a secret can be rotated).
-    /// Never printed by `--dump-config`.
-    #[serde(skip_serializing)]
+    /// Never printed by `--dump-config`: each shows as `REDACTED`.
+    #[serde(serialize_with = "redacted_each")]
     pub hs256_secrets: Vec<SecretString>,
     /// PEM public keys (Ed25519, P-256 or RSA) of token issuers.
     pub public_key_files: Vec<PathBuf>,
@@ -31,6 +31,10 @@ pub struct AuthConfig {
     pub audience: String,
     /// The `iss` every token must carry, if set.
     pub issuer: Option<String>,
+}
+
+fn redacted_each<S: serde::Serializer>(secrets: &[SecretString], s: S) -> Result<S::Ok, S::Error> {
+    s.collect_seq(secrets.iter().map(|_| crate::secret_url::REDACTED))
 }
 
 impl Default for AuthConfig {

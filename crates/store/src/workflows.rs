@@ -6,12 +6,12 @@ use serde::Serialize;
 use serde_json::{Value, json};
 use uuid::Uuid;
 use z29c_core::dag;
-use z29c_core::{reasons, refs};
 use z29c_core::{
     AttemptState, Checkpoint, ClientKey, InputDigest, LeasePolicy, LeaseVersion, PlatformBounds,
     ProductState, StepFacts, StepId, StepName, StepState, WorkflowId, WorkflowState, project,
     project_workflow,
 };
+use z29c_core::{reasons, refs};
 
 pub use crate::ending::Receipt;
 use crate::ending::{ReceiptRow, receipt_columns};
@@ -101,6 +101,11 @@ pub struct StepDetail {
     pub checkpoint: Option<Checkpoint>,
     pub last_attempt: Option<AttemptState>,
     pub attempts_made: i32,
+    /// Attempts whose call began and was not given back: a call the destination turned away
+    /// as rate limited is a wait, counted in `waits`, not an attempt.
+    pub calls_begun: i64,
+    /// Times it was given back without sending (rate limited, no permit, no gateway).
+    pub waits: i32,
     pub receipt: Option<Receipt>,
     /// The input it sends: resolved once its dependencies succeeded, as submitted before.
     pub input: Value,
@@ -118,6 +123,7 @@ impl StepDetail {
             receipt: self.receipt.as_ref().map(|r| r.outcome),
             lease_expired: self.lease_expired,
             waiting_for_eligibility: self.waiting_for_eligibility,
+            has_waited: self.waits > 0,
         }
     }
 
@@ -218,6 +224,8 @@ struct StepRow {
     checkpoint: Option<String>,
     attempt_state: Option<String>,
     attempts_made: i32,
+    calls_begun: i64,
+    waits: i32,
     input: Value,
     depends_on: Vec<String>,
     event_kind: Option<String>,
@@ -381,6 +389,8 @@ impl Prepared {
                 checkpoint: None,
                 last_attempt: None,
                 attempts_made: 0,
+                calls_begun: 0,
+                waits: 0,
                 receipt: None,
                 input: s.input.clone(),
                 // in the steps' order, as a read gives them
@@ -877,7 +887,10 @@ async fn step_details(
                 s.expires_at, coalesce(s.expires_at <= now(), false) AS lease_expired,
                 s.next_eligible_at, s.next_eligible_at > now() AS waiting,
                 a.checkpoint::text AS checkpoint, a.state::text AS attempt_state,
-                s.attempts_made, s.input,
+                s.attempts_made, s.waits, s.input,
+                (SELECT count(*) FROM attempts x
+                 WHERE x.step_id = s.id AND x.invocation_began_at IS NOT NULL
+                   AND x.state <> 'released') AS calls_begun,
                 ARRAY(SELECT u.name FROM step_dependencies d JOIN steps u ON u.id = d.depends_on
                       WHERE d.step_id = s.id ORDER BY u.position) AS depends_on,
                 e.kind AS event_kind, e.detail AS event_detail,
@@ -914,6 +927,9 @@ async fn step_details(
     let mut out: std::collections::HashMap<Uuid, Vec<StepDetail>> = Default::default();
     for r in rows {
         let state: StepState = parse(&r.state)?;
+        let checkpoint: Option<Checkpoint> = r.checkpoint.as_deref().map(parse).transpose()?;
+        let last_attempt: Option<AttemptState> =
+            r.attempt_state.as_deref().map(parse).transpose()?;
         let receipt = receipts.remove(&r.id);
         let reason = reasons::step_reason(&reasons::StepReasonFacts {
             state,
@@ -929,6 +945,7 @@ async fn step_details(
                 .zip(r.event_detail.as_ref())
                 .map(|(kind, detail)| reasons::LastEvent { kind, detail }),
             review: r.review_reason.as_deref(),
+            invoked: AttemptState::may_have_sent(checkpoint, last_attempt),
         });
         let detail = StepDetail {
             id: StepId::from_uuid(r.id),
@@ -945,9 +962,11 @@ async fn step_details(
             lease_expired: r.lease_expired,
             next_eligible_at: r.next_eligible_at,
             waiting_for_eligibility: r.waiting,
-            checkpoint: r.checkpoint.as_deref().map(parse).transpose()?,
-            last_attempt: r.attempt_state.as_deref().map(parse).transpose()?,
+            checkpoint,
+            last_attempt,
             attempts_made: r.attempts_made,
+            calls_begun: r.calls_begun,
+            waits: r.waits,
             receipt,
             input: r.input,
             depends_on: r.depends_on,

@@ -91,15 +91,17 @@ async fn a_dependents_input_is_resolved_from_its_dependencies_receipts(pool: PgP
     assert_eq!(receipt.input_digest, ship.input_digest.as_str());
     let read = store.workflow(submitted.workflow).await.unwrap();
     assert_eq!(read.state, WorkflowState::Completed);
-    assert_eq!(read.steps[2].input, ship.input, "a read shows what was sent");
+    assert_eq!(
+        read.steps[2].input, ship.input,
+        "a read shows what was sent"
+    );
     assert_eq!(read.steps[2].depends_on, ["reserve", "charge"]);
-    let attempts: Vec<String> = sqlx::query_scalar(
-        "SELECT input_digest FROM attempts WHERE step_id = $1 ORDER BY number",
-    )
-    .bind(ship.lease.step.as_uuid())
-    .fetch_all(&pool)
-    .await
-    .unwrap();
+    let attempts: Vec<String> =
+        sqlx::query_scalar("SELECT input_digest FROM attempts WHERE step_id = $1 ORDER BY number")
+            .bind(ship.lease.step.as_uuid())
+            .fetch_all(&pool)
+            .await
+            .unwrap();
     assert_eq!(attempts, [ship.input_digest.as_str()]);
 }
 
@@ -112,7 +114,10 @@ async fn a_reference_to_a_missing_field_fails_the_step_with_the_reason(pool: PgP
     charge.input = json!({ "reservation": "${steps.reserve.result/id}" });
     let submitted = submit(
         &store,
-        &workflow("flow-2", vec![step("reserve", &[]), charge, step("after", &["charge"])]),
+        &workflow(
+            "flow-2",
+            vec![step("reserve", &[]), charge, step("after", &["charge"])],
+        ),
     )
     .await;
     let reserve = claim_one(&store).await;
@@ -124,7 +129,13 @@ async fn a_reference_to_a_missing_field_fails_the_step_with_the_reason(pool: PgP
         )
         .await
         .unwrap();
-    assert!(store.claim(&owner("executor-1"), 5).await.unwrap().is_empty());
+    assert!(
+        store
+            .claim(&owner("executor-1"), 5)
+            .await
+            .unwrap()
+            .is_empty()
+    );
     let read = store.workflow(submitted.workflow).await.unwrap();
     assert_eq!(read.state, WorkflowState::Failed);
     assert_eq!(read.steps[1].state, StepState::Failed);
@@ -227,7 +238,11 @@ async fn a_refused_step_and_its_workflow_say_why(pool: PgPool) {
 async fn a_list_filters_by_state_name_and_search_and_pages(pool: PgPool) {
     let store = Store::from_pool(pool.clone());
     for i in 0..5 {
-        submit(&store, &workflow(&format!("list-{i}"), vec![step("a", &[])])).await;
+        submit(
+            &store,
+            &workflow(&format!("list-{i}"), vec![step("a", &[])]),
+        )
+        .await;
     }
     let failed = claimed_single(&store, "list-failed", "executor-1").await;
     invoke(&store, &failed).await;
