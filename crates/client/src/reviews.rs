@@ -49,9 +49,12 @@ impl Reviews {
     /// The name recorded on resolutions when the service runs without operator tokens (with
     /// tokens, the token's subject is recorded).
     pub fn with_operator(mut self, name: &str) -> Result<Self> {
-        let value = name
-            .parse()
-            .map_err(|_| Error::Config(format!("operator {name:?}: not valid header text")))?;
+        let value = name.parse().map_err(|_| {
+            Error::Config(format!(
+                "operator '{}': not valid header text",
+                name.escape_debug()
+            ))
+        })?;
         self.operator = Some(value);
         Ok(self)
     }

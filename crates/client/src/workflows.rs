@@ -134,7 +134,9 @@ pub struct Page {
 pub type Events = BoxStream<'static, Result<pb::WorkflowEvent>>;
 
 impl Client {
-    /// Connects to the scheduler at `url` (`http://host:port`; `https://` with TLS).
+    /// Connects to the scheduler at `url` (`http://host:port`; `https://` with TLS) at once,
+    /// so an address nobody answers at is [`Error::Unreachable`] here rather than at the first
+    /// call. A connection lost later is made again by the next call.
     pub async fn connect(url: &str, access: &Access) -> Result<Self> {
         let (channel, bearer) = access.channel(url).await?;
         Ok(Self {
