@@ -57,7 +57,7 @@ identity_field = "customer_reference"
 reference = "/id"
 [adapters.http.query]
 path = "/shipments?customer_reference={{identity}}"
-found = {{ status = [200], reference = "/data/0/id" }}
+found = {{ status = [200], reference = "/data/0/id", result = "/data/0" }}
 not_found = [{{ status = [200], empty = "/data" }}]
 "#
     )

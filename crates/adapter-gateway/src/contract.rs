@@ -98,11 +98,13 @@ impl Default for QueryContract {
                 status: vec![StatusPattern::Exact(200)],
                 reference: Some("/reference".into()),
                 empty: None,
+                result: None,
             },
             not_found: vec![AnswerRule {
                 status: vec![StatusPattern::Exact(404)],
                 reference: None,
                 empty: None,
+                result: None,
             }],
             in_flight: vec![StatusPattern::Exact(202), StatusPattern::Exact(409)],
         }
@@ -119,6 +121,11 @@ pub struct AnswerRule {
     pub reference: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub empty: Option<String>,
+    /// `found` only: where in the answer the request's own result is (a search's
+    /// `"/data/0"`), so a step completed by a status query carries the result its call
+    /// would have; by default the whole answer.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub result: Option<String>,
 }
 
 impl AnswerRule {
@@ -587,6 +594,7 @@ mod tests {
             status: vec![StatusPattern::Exact(200)],
             reference: Some("/data/0/id".into()),
             empty: None,
+            result: None,
         };
         let hit = json!({ "data": [{ "id": "shp_1" }] });
         assert_eq!(found.matches(200, Some(&hit)).as_deref(), Some("shp_1"));
@@ -596,6 +604,7 @@ mod tests {
             status: vec![StatusPattern::Exact(200)],
             reference: None,
             empty: Some("/data".into()),
+            result: None,
         };
         assert_eq!(
             none.matches(200, Some(&json!({ "data": [] }))).as_deref(),

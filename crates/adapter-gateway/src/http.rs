@@ -280,10 +280,12 @@ fn query_settled(q: &QueryContract, status: u16, body: Result<String, String>) -
         .ok()
         .and_then(|t| serde_json::from_str::<Value>(t).ok());
     if let Some(reference) = q.found.matches(status, value.as_ref()) {
-        return QueryOutcome::Found {
-            reference,
-            result: value.unwrap_or(Value::Null),
+        let value = value.unwrap_or(Value::Null);
+        let result = match &q.found.result {
+            Some(pointer) => value.pointer(pointer).cloned().unwrap_or(value),
+            None => value,
         };
+        return QueryOutcome::Found { reference, result };
     }
     if q.not_found
         .iter()
@@ -501,11 +503,13 @@ mod tests {
                 status: vec![crate::contract::StatusPattern::Exact(200)],
                 reference: Some("/data/0/id".into()),
                 empty: None,
+                result: Some("/data/0".into()),
             },
             not_found: vec![crate::contract::AnswerRule {
                 status: vec![crate::contract::StatusPattern::Exact(200)],
                 reference: None,
                 empty: Some("/data".into()),
+                result: None,
             }],
             ..QueryContract::default()
         };
@@ -517,9 +521,17 @@ mod tests {
             query_settled(&search, 404, ok("")),
             QueryOutcome::Unknown { .. }
         ));
-        assert!(matches!(
-            query_settled(&search, 200, ok(r#"{"data":[{"id":"shp_4"}]}"#)),
-            QueryOutcome::Found { reference, .. } if reference == "shp_4"
-        ));
+        // the result is the request's own, as its call would have answered
+        assert_eq!(
+            query_settled(
+                &search,
+                200,
+                ok(r#"{"data":[{"id":"shp_4","status":"sent"}]}"#)
+            ),
+            QueryOutcome::Found {
+                reference: "shp_4".into(),
+                result: serde_json::json!({ "id": "shp_4", "status": "sent" }),
+            }
+        );
     }
 }
