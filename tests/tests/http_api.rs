@@ -240,8 +240,10 @@ async fn an_order_over_http_completes_is_listed_and_bad_input_changes_nothing() 
         assert_eq!(step["reason"], Value::Null, "{step:#}");
     }
     assert_eq!(done["steps"][0]["result"]["sku"], "SKU-HTTP-1", "{done:#}");
-    assert_eq!(
-        cancelled["reason"], "the customer changed their mind",
+    assert!(
+        cancelled["reason"]
+            .as_str()
+            .is_some_and(|r| r.contains("the customer changed their mind")),
         "{cancelled:#}"
     );
     order::check_carried(&apis, "SKU-HTTP-1")?;
