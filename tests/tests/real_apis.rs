@@ -447,7 +447,11 @@ async fn a_new_gateway_adds_its_adapter_and_without_it_steps_wait() -> Result<()
     let mut cluster = Cluster::start_with(Topology {
         gateways: 0,
         recoveries: 1,
-        env: vec![("Z29C_RECOVERY_LEASE_MS".into(), "1500".into())],
+        env: vec![
+            ("Z29C_RECOVERY_LEASE_MS".into(), "1500".into()),
+            // an adapter gone from the registry counts as served for this long after
+            ("Z29C_ADAPTER_GRACE_MS".into(), "3000".into()),
+        ],
         ..Topology::default()
     })
     .await?;
@@ -549,8 +553,9 @@ async fn a_new_gateway_adds_its_adapter_and_without_it_steps_wait() -> Result<()
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    // a scheduler accepts by a read of the registry at most this old
-    tokio::time::sleep(z29c_bus::gateways::REFRESH + Duration::from_millis(500)).await;
+    // past the scheduler's grace for an adapter gone from the registry (a read of it is at
+    // most REFRESH old)
+    tokio::time::sleep(Duration::from_millis(3_000) + z29c_bus::gateways::REFRESH).await;
     let late = client
         .submit(one_step("late", "payments", "charges", json!({})))
         .await

@@ -30,6 +30,10 @@ pub struct SchedulerConfig {
     /// `WorkflowService` behind the same tokens, roles and limits, with `tls` as the gRPC port
     /// has it (a client certificate from `tls.ca_file` required).
     pub http_listen: Option<std::net::SocketAddr>,
+    /// How long an adapter that left the gateway registry is still taken as served: a
+    /// restarting gateway, or NATS (whose registry starts empty), does not turn work away
+    /// meanwhile; past it, work for the adapter is refused until a gateway serves it again.
+    pub adapter_grace_ms: u64,
     /// Each caller's workflow submissions per second (0: no limit) and burst.
     pub submissions_per_second: u32,
     pub submission_burst: u32,
@@ -64,6 +68,7 @@ impl Default for SchedulerConfig {
             bounds: PlatformBounds::default(),
             health_listen: None,
             http_listen: None,
+            adapter_grace_ms: 30_000,
             submissions_per_second: 500,
             submission_burst: 1_000,
             tls: TlsConfig::default(),

@@ -94,14 +94,10 @@ pub async fn run(
         )),
         false => None,
     };
-    let service = Arc::new(service::Workflows::new(
-        store,
-        bus,
-        config.limits(),
-        guard,
-        relay_wake,
-        submissions,
-    ));
+    let service = Arc::new(
+        service::Workflows::new(store, bus, config.limits(), guard, relay_wake, submissions)
+            .adapter_grace(std::time::Duration::from_millis(config.adapter_grace_ms)),
+    );
     let http = match config.http_listen {
         Some(http_addr) => Some(
             http::serve(

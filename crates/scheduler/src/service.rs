@@ -37,7 +37,15 @@ pub struct Workflows {
     relay_wake: Arc<Notify>,
     /// Submission batching, when on: concurrent submissions share statements.
     submissions: Option<SubmissionBatches>,
+    /// When each adapter was last seen served in the registry: one served within
+    /// `adapter_grace` still counts, so a restarting gateway (or NATS, whose registry starts
+    /// empty) does not turn work away.
+    served: Arc<std::sync::Mutex<std::collections::HashMap<String, std::time::Instant>>>,
+    adapter_grace: Duration,
 }
+
+/// How long an adapter no longer in the registry is still taken as served, by default.
+pub const ADAPTER_GRACE: Duration = Duration::from_secs(30);
 
 impl Workflows {
     pub fn new(
@@ -55,7 +63,37 @@ impl Workflows {
             guard,
             relay_wake,
             submissions,
+            served: Arc::default(),
+            adapter_grace: ADAPTER_GRACE,
         }
+    }
+
+    /// How long an adapter that left the registry is still taken as served.
+    pub fn adapter_grace(mut self, grace: Duration) -> Self {
+        self.adapter_grace = grace;
+        self
+    }
+
+    /// Notes every adapter `gateways` serve as seen now, and says which of `wanted` is
+    /// neither served nor was within the grace.
+    fn first_unserved<'a>(
+        &self,
+        gateways: &[GatewayRecord],
+        mut wanted: impl Iterator<Item = &'a str>,
+    ) -> Option<&'a str> {
+        let mut served = self
+            .served
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let now = std::time::Instant::now();
+        for a in gateways.iter().flat_map(|g| &g.adapters) {
+            served.insert(a.name.clone(), now);
+        }
+        wanted.find(|w| {
+            served
+                .get(*w)
+                .is_none_or(|seen| seen.elapsed() > self.adapter_grace)
+        })
     }
 }
 
@@ -315,14 +353,13 @@ impl Workflows {
     /// serves, a retry of refusals at an adapter that does not de-duplicate, a call longer
     /// than a serving gateway allows. An acceptance goes by a read of the registry at most
     /// [`z29c_bus::gateways::REFRESH`] old; a refusal by a read made for it, so a gateway
-    /// registered since counts. An unreadable registry is `UNAVAILABLE`, never "not served".
+    /// registered since counts, and only once the adapter has been out of the registry for
+    /// longer than the grace. An unreadable registry is `UNAVAILABLE`, never "not served".
     async fn check_adapters(&self, wf: &NewWorkflow) -> Result<(), Status> {
         let unserved = |gateways: &[GatewayRecord]| {
-            wf.steps.iter().position(|s| {
-                !gateways
-                    .iter()
-                    .any(|g| g.adapters.iter().any(|a| a.name == s.adapter))
-            })
+            let adapter =
+                self.first_unserved(gateways, wf.steps.iter().map(|s| s.adapter.as_str()))?;
+            wf.steps.iter().position(|s| s.adapter == adapter)
         };
         let unreadable = |e: z29c_bus::BusError| {
             Status::unavailable(format!("gateway registry unavailable: {e}"))
