@@ -520,6 +520,9 @@ pub(crate) fn print_workflow(out: &mut Stdout, wf: &pb::Workflow) -> anyhow::Res
         if !s.reason.is_empty() {
             out.line(format_args!("    reason: {}", s.reason))?;
         }
+        if let Some(next) = time(s.next_attempt_at.as_ref()) {
+            out.line(format_args!("    next turn: {next}"))?;
+        }
         if let Some(r) = &s.receipt {
             out.line(format_args!(
                 "    receipt: {} ref={} verified={} identity={}",
@@ -539,8 +542,8 @@ pub(crate) fn print_workflow(out: &mut Stdout, wf: &pb::Workflow) -> anyhow::Res
                 .filter(|e| e.kind == "lease_acquired")
                 .count();
             out.line(format_args!(
-                "    technical: lease v{} ({} acquisitions), attempts {}, checkpoint {}",
-                t.lease_version, leases, t.attempts, t.checkpoint
+                "    technical: lease v{} ({} acquisitions), attempts {}, given back {} (waits {}), checkpoint {}",
+                t.lease_version, leases, t.attempts, t.given_back, t.waits, t.checkpoint
             ))?;
         }
     }
@@ -573,6 +576,7 @@ fn step_json(s: &pb::Step) -> Value {
         "state": state_name(s.state()),
         "label": s.state_label,
         "reason": non_empty(&s.reason),
+        "next_attempt_at": time(s.next_attempt_at.as_ref()),
         "input": json_text(&s.input_json),
         "result": json_text(&s.result_json),
         "receipt": s.receipt.as_ref().map(|r| json!({
@@ -590,6 +594,8 @@ fn step_json(s: &pb::Step) -> Value {
             "lease_owner": non_empty(&t.lease_owner),
             "lease_expires_at": time(t.lease_expires_at.as_ref()),
             "attempts": t.attempts,
+            "given_back": t.given_back,
+            "waits": t.waits,
             "checkpoint": non_empty(&t.checkpoint),
             "events": t.events.iter().map(|e| json!({
                 "kind": e.kind,

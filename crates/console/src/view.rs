@@ -87,7 +87,11 @@ pub struct Technical {
     pub lease_owner: String,
     pub lease_expires_at: Option<DateTime<Utc>>,
     pub checkpoint: String,
+    /// Attempts whose call began and was not given back.
     pub attempts_made: u32,
+    /// Claims given back without an attempt, and of those the waits.
+    pub given_back: u32,
+    pub waits: u32,
     /// Grants, takeovers, expiries and releases (renewals are counted, not listed).
     pub leases: Vec<EventView>,
     pub renewals: usize,
@@ -297,6 +301,8 @@ pub fn step(s: &pb::Step, workflow_created: Option<DateTime<Utc>>) -> StepView {
         lease_expires_at: time(t.lease_expires_at.as_ref()),
         checkpoint: t.checkpoint.clone(),
         attempts_made: t.attempts,
+        given_back: t.given_back,
+        waits: t.waits,
         ..Technical::default()
     };
     for e in events {

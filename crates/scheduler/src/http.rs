@@ -240,6 +240,8 @@ pub struct StepJson {
     pub input: Value,
     pub result: Option<Value>,
     pub reason: Option<String>,
+    /// While the step waits for its turn: when it may next be claimed.
+    pub next_attempt_at: Option<String>,
     pub receipt: Option<ReceiptJson>,
     pub technical: Option<TechnicalJson>,
 }
@@ -263,7 +265,12 @@ pub struct TechnicalJson {
     pub lease_owner: Option<String>,
     pub lease_expires_at: Option<String>,
     pub checkpoint: Option<String>,
+    /// Attempts whose call began and was not given back.
     pub attempts: u32,
+    /// Claims given back without an attempt, and of those the waits (rate limited, no
+    /// permit, no gateway).
+    pub given_back: u32,
+    pub waits: u32,
     pub events: Vec<EventJson>,
 }
 
@@ -306,6 +313,7 @@ impl From<&pb::Step> for StepJson {
             input: json_value(&s.input_json).unwrap_or(Value::Null),
             result: json_value(&s.result_json),
             reason: text(&s.reason),
+            next_attempt_at: s.next_attempt_at.as_ref().and_then(rfc3339),
             receipt: s.receipt.as_ref().map(|r| ReceiptJson {
                 request_identity: r.request_identity.clone(),
                 external_reference: text(&r.external_reference),
@@ -323,6 +331,8 @@ impl From<&pb::Step> for StepJson {
                 lease_expires_at: t.lease_expires_at.as_ref().and_then(rfc3339),
                 checkpoint: text(&t.checkpoint),
                 attempts: t.attempts,
+                given_back: t.given_back,
+                waits: t.waits,
                 events: t
                     .events
                     .iter()
