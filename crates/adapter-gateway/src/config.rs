@@ -197,3 +197,57 @@ impl z29c_runtime::Validate for GatewayConfig {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every setting an adapter's contract takes passes the check for unknown keys, unset
+    /// optional ones included; a misspelt one is named.
+    #[test]
+    fn every_contract_setting_is_a_known_key_and_a_typo_is_named() {
+        let dir = std::env::temp_dir().join(format!("z29c-gateway-config-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("gateway.toml");
+        let carrier = r#"
+[[adapters]]
+name = "carrier"
+base_url = "http://127.0.0.1:9/carrier"
+capability = "queryable"
+limits = { shipments = 2 }
+[adapters.http]
+method = "POST"
+path = "/shipments"
+idempotency_header = ""
+identity_field = "customer_reference"
+reference = "/id"
+refusal_reason = "/error/message"
+done = [200, 201]
+refused = ["4xx"]
+rate_limited = [429]
+in_flight = [409]
+[adapters.http.headers]
+Authorization = { env = "CARRIER_KEY", prefix = "Bearer " }
+X-Api-Version = "3"
+[adapters.http.query]
+method = "GET"
+path = "/shipments?customer_reference={identity}"
+found = { status = [200], reference = "/data/0/id", result = "/data/0" }
+not_found = [{ status = [200], empty = "/data" }, { status = [404] }]
+in_flight = [202]
+"#;
+        std::fs::write(&file, carrier).unwrap();
+        let checked = z29c_runtime::config::check_file_keys::<GatewayConfig>(&file)
+            .map_err(|e| e.to_string());
+        assert_eq!(checked, Ok(()));
+        std::fs::write(&file, carrier.replace("empty = ", "emtpy = ")).unwrap();
+        let e = z29c_runtime::config::check_file_keys::<GatewayConfig>(&file)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("unknown key `adapters[0].http.query.not_found[0].emtpy`"),
+            "{e}"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

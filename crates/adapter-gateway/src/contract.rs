@@ -113,18 +113,17 @@ impl Default for QueryContract {
 
 /// A rule that recognises an answer: one of `status`, and, when set, a non-empty string or
 /// number at `reference`, an empty array at `empty` (in an answer that was read whole).
+/// Unset fields serialize as nothing in TOML and as `null` in JSON, so the configuration's
+/// check for unknown keys knows them.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct AnswerRule {
     pub status: Vec<StatusPattern>,
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub reference: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub empty: Option<String>,
     /// `found` only: where in the answer the request's own result is (a search's
     /// `"/data/0"`), so a step completed by a status query carries the result its call
     /// would have; by default the whole answer.
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub result: Option<String>,
 }
 

@@ -136,7 +136,7 @@ where
     let mut figment = Figment::from(Serialized::defaults(T::default()))
         .merge(Serialized::default("database_url", DEFAULT_DATABASE_URL));
     if let Some(file) = file {
-        refuse_unknown_keys::<T>(file)?;
+        check_file_keys::<T>(file)?;
         figment = figment.merge(Toml::file_exact(file));
     }
     figment = figment.merge(Env::prefixed("Z29C_").split("__"));
@@ -151,7 +151,7 @@ where
 /// map, such as an adapter's `limits`) takes any key, and each element of an array is
 /// checked against the default's first element. (The environment is not checked: it holds
 /// other programs' `Z29C_…` variables too.)
-fn refuse_unknown_keys<T: Serialize + Default>(file: &Path) -> anyhow::Result<()> {
+pub fn check_file_keys<T: Serialize + Default>(file: &Path) -> anyhow::Result<()> {
     use anyhow::Context;
     let text = std::fs::read_to_string(file)
         .with_context(|| format!("read the configuration file {}", file.display()))?;
