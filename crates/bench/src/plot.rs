@@ -3,26 +3,10 @@
 
 use std::path::Path;
 
-use anyhow::{Context, Result, anyhow};
+use anyhow::{Result, anyhow};
 use plotters::prelude::*;
 
 use super::Report;
-
-const FONTS: [&str; 3] = [
-    "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
-    "/usr/share/fonts/truetype/liberation/LiberationSans-Regular.ttf",
-    "/usr/share/fonts/truetype/freefont/FreeSans.ttf",
-];
-
-fn register_font() -> Result<()> {
-    let path = FONTS
-        .iter()
-        .find(|p| Path::new(p).exists())
-        .context("no TrueType font for the plot's labels (Debian: fonts-dejavu-core)")?;
-    let bytes: &'static [u8] = Box::leak(std::fs::read(path)?.into_boxed_slice());
-    plotters::style::register_font("sans-serif", FontStyle::Normal, bytes)
-        .map_err(|_| anyhow!("{path}: not a font plotters can read"))
-}
 
 const COLORS: [RGBColor; 4] = [
     RGBColor(31, 119, 180),
@@ -33,7 +17,6 @@ const COLORS: [RGBColor; 4] = [
 
 /// Writes `out` (SVG).
 pub fn write(report: &Report, out: &Path) -> Result<()> {
-    register_font()?;
     let root = SVGBackend::new(out, (1100, 480)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| anyhow!("{e}"))?;
     let (left, right) = root.split_horizontally(560);
