@@ -11,7 +11,8 @@
 //! A string that is one reference and nothing else is replaced by the value, of whatever JSON
 //! type; a reference inside a longer string is replaced by its text (a string as it is, a
 //! number or a boolean as written; an object, an array or null cannot be text). `$${` writes a
-//! literal `${`.
+//! literal `${` (so a `$` cannot stand right before a reference). Only values are read:
+//! object keys are sent as they are.
 //!
 //! References are resolved once, from receipts only, when the step's last dependency has
 //! succeeded; the resolved input is what every attempt sends, and what its digest covers.
@@ -107,6 +108,16 @@ fn parse(inner: &str) -> Result<Reference, String> {
         Some(i) => named.split_at(i),
         None => (named, ""),
     };
+    // RFC 6901: `~` only as `~0` or `~1`
+    if pointer
+        .split('~')
+        .skip(1)
+        .any(|after| !(after.starts_with('0') || after.starts_with('1')))
+    {
+        return Err(format!(
+            "${{{inner}}}: in a JSON pointer `~` is written `~0` and `/` inside a key `~1`"
+        ));
+    }
     let (step, part) = if let Some(step) = head.strip_suffix(".result") {
         (step, Part::Result(pointer.to_owned()))
     } else if let Some(step) = head.strip_suffix(".reference")
@@ -185,13 +196,28 @@ pub fn needs_resolving(input: &Value) -> bool {
     found
 }
 
+/// The largest input resolving may make (1 MiB, a gateway's default request limit): a
+/// few references to large results could otherwise build an input no gateway takes.
+pub const MAX_RESOLVED_BYTES: usize = 1024 * 1024;
+
 /// `input` with every reference replaced from `upstream` (the receipt of each step it may
-/// name, by name). An error names the reference and what is missing.
+/// name, by name). An error names the reference and what is missing, or says the resolved
+/// input is larger than [`MAX_RESOLVED_BYTES`].
 pub fn resolve<'a>(
     input: &Value,
     upstream: &impl Fn(&str) -> Option<Upstream<'a>>,
 ) -> Result<Value, RefError> {
-    resolve_at(input, &mut String::new(), upstream)
+    let resolved = resolve_at(input, &mut String::new(), upstream)?;
+    let size = serde_json::to_vec(&resolved).map_or(usize::MAX, |v| v.len());
+    if size > MAX_RESOLVED_BYTES {
+        return Err(RefError {
+            at: String::new(),
+            reason: format!(
+                "resolved, the input is {size} bytes, at most {MAX_RESOLVED_BYTES} allowed"
+            ),
+        });
+    }
+    Ok(resolved)
 }
 
 fn resolve_at<'a>(
@@ -349,6 +375,7 @@ mod tests {
             ("${steps..result}", "step name"),
             ("${steps.a b.result}", "step name"),
             ("${}", "not a reference"),
+            ("${steps.x.result/a~2b}", "JSON pointer"),
         ] {
             let e = references(&json!({ "k": [s] })).unwrap_err();
             assert_eq!(e.at, "/k/0", "{s}");
@@ -436,6 +463,28 @@ mod tests {
         let e = resolve(&json!("${steps.x.reference}"), &none).unwrap_err();
         assert!(e.reason.contains("no external reference"), "{e}");
         assert_eq!(e.to_string(), format!("{} (at input)", e.reason));
+    }
+
+    #[test]
+    fn a_resolved_input_past_the_limit_is_refused() {
+        let big = Value::String("x".repeat(MAX_RESOLVED_BYTES / 4));
+        let up = |_: &str| {
+            Some(Upstream {
+                result: &big,
+                reference: None,
+            })
+        };
+        let three = json!([
+            "${steps.a.result}",
+            "${steps.a.result}",
+            "${steps.a.result}"
+        ]);
+        assert!(resolve(&three, &up).is_ok());
+        let five = Value::Array(vec![json!("${steps.a.result}"); 5]);
+        let e = resolve(&five, &up).unwrap_err();
+        assert!(e.reason.contains("at most 1048576 allowed"), "{e}");
+        let escaped = references(&json!("${steps.a.result/k~0ey/a~1b}")).unwrap();
+        assert_eq!(escaped[0].1.part, Part::Result("/k~0ey/a~1b".into()));
     }
 
     #[test]

@@ -106,6 +106,15 @@ async fn decide_on(
             }
         }
     };
+    // evidence that decides alike whatever the adapter promises needs no answer from a gateway
+    let same_whatever = {
+        let decide = |c| classify(&rec.snapshot.evidence(c));
+        let opaque = decide(AdapterCapability::Opaque);
+        [AdapterCapability::Idempotent, AdapterCapability::Queryable]
+            .into_iter()
+            .all(|c| decide(c) == opaque)
+    };
+    let known = known.or(same_whatever.then_some(AdapterCapability::Opaque));
     let Some(capability) = known else {
         // deciding as if for an opaque adapter could send an idempotent step to a person for
         // nothing; a gateway that serves it may be starting
@@ -183,7 +192,7 @@ async fn decide_on(
                     let reason = match other {
                         Ok(Some(query_response::Status::Unknown(u))) => u.reason,
                         Ok(_) => String::new(),
-                        Err(status) => status.to_string(),
+                        Err(status) => in_words(&status),
                     };
                     (QueryAnswer::NotYet, None, reason)
                 }
@@ -192,7 +201,10 @@ async fn decide_on(
                 other => (
                     QueryAnswer::Unusable,
                     None,
-                    format!("status query gave no answer: {other:?}"),
+                    match other {
+                        Err(status) => format!("status query refused: {}", in_words(&status)),
+                        Ok(_) => "status query gave no answer".to_owned(),
+                    },
                 ),
             };
             let unanswered = if kind == QueryAnswer::NotYet {
@@ -346,6 +358,14 @@ async fn holds_call(ctx: &Context, gateway: &str) -> bool {
         .records(z29c_bus::REGISTRATION_TTL)
         .await
         .map_or(true, |records| records.iter().any(|g| g.id == gateway))
+}
+
+/// A gRPC refusal as a person reads it: its code's description and the server's message.
+fn in_words(status: &tonic::Status) -> String {
+    match status.message() {
+        "" => status.code().description().to_owned(),
+        message => format!("{}: {message}", status.code().description()),
+    }
 }
 
 /// Whether asking again later may bring an answer: the destination said it is still

@@ -218,20 +218,60 @@ pub fn dump<T: Serialize>(config: &T) -> anyhow::Result<String> {
 fn redact_urls(value: &mut toml::Value) {
     match value {
         toml::Value::String(s) => {
-            if let Some(redacted) = redacted_url(s) {
+            // a list of servers (`nats://a:4222,nats://b:4222`) is redacted server by server
+            let parts: Vec<String> = s
+                .split(',')
+                .map(|part| redacted_url(part).unwrap_or_else(|| part.to_owned()))
+                .collect();
+            let redacted = parts.join(",");
+            if redacted != *s {
                 *s = redacted;
             }
         }
         toml::Value::Array(items) => items.iter_mut().for_each(redact_urls),
-        toml::Value::Table(t) => t.iter_mut().for_each(|(_, v)| redact_urls(v)),
+        toml::Value::Table(t) => {
+            for (k, v) in t.iter_mut() {
+                // a header's value given literally is as secret as its name says
+                if k == "headers"
+                    && let toml::Value::Table(headers) = v
+                {
+                    for (name, value) in headers.iter_mut() {
+                        if secret_name(name) && value.is_str() {
+                            *value =
+                                toml::Value::String(z29c_security::secret_url::REDACTED.into());
+                        }
+                    }
+                }
+                redact_urls(v);
+            }
+        }
         _ => {}
     }
 }
 
-/// `s` with its URL credentials redacted, if it is a URL that holds any.
+/// A name that says its value is a credential.
+fn secret_name(name: &str) -> bool {
+    let name = name.to_ascii_lowercase();
+    [
+        "password",
+        "passwd",
+        "token",
+        "secret",
+        "key",
+        "authorization",
+        "signature",
+        "cookie",
+    ]
+    .iter()
+    .any(|w| name.contains(w))
+}
+
+/// `s` with its URL credentials redacted, if it is a URL that holds any: a password, a user
+/// alone where it is a token (any scheme but PostgreSQL's, whose user is a name), and secret
+/// query parameters.
 fn redacted_url(s: &str) -> Option<String> {
     use z29c_security::secret_url::REDACTED;
-    let mut url = url::Url::parse(s).ok()?;
+    let mut url = url::Url::parse(s.trim()).ok()?;
     if !url.has_host() {
         return None;
     }
@@ -239,13 +279,15 @@ fn redacted_url(s: &str) -> Option<String> {
     if url.password().is_some_and(|p| p != REDACTED) {
         let _ = url.set_password(Some(REDACTED));
         changed = true;
+    } else if url.password().is_none()
+        && !url.username().is_empty()
+        && url.username() != REDACTED
+        && !matches!(url.scheme(), "postgres" | "postgresql")
+    {
+        let _ = url.set_username(REDACTED);
+        changed = true;
     }
-    let secret = |k: &str| {
-        let k = k.to_ascii_lowercase();
-        ["password", "passwd", "token", "secret", "key"]
-            .iter()
-            .any(|w| k.contains(w))
-    };
+    let secret = |k: &str| secret_name(k);
     if url.query_pairs().any(|(k, v)| secret(&k) && v != REDACTED) {
         let pairs: Vec<(String, String)> = url
             .query_pairs()
@@ -392,6 +434,25 @@ mod tests {
         struct A {
             base_url: String,
         }
+        #[derive(Serialize)]
+        struct H {
+            headers: std::collections::BTreeMap<&'static str, &'static str>,
+            servers: String,
+        }
+        let h = H {
+            headers: [("Authorization", "Bearer sk_live_2"), ("Accept", "json")].into(),
+            servers: "nats://t0ken@a:4222,nats://b:4222".into(),
+        };
+        let out = dump(&h).unwrap();
+        assert!(
+            !out.contains("sk_live_2") && !out.contains("t0ken"),
+            "{out}"
+        );
+        assert!(
+            out.contains("nats://REDACTED@a:4222,nats://b:4222"),
+            "{out}"
+        );
+        assert!(out.contains("Accept = \"json\""), "{out}");
         let c = C {
             nats_url: "nats://svc:hunter2@nats:4222".into(),
             adapters: vec![A {

@@ -292,6 +292,9 @@ impl Store {
                 row.version
             )));
         }
+        if matches!(resolution, Resolution::Succeeded(_)) && found.is_none() {
+            needs_no_result(&mut tx, row.step_id).await?;
+        }
         // a person's decision takes the step's lease like any other writer, fencing out
         // every earlier holder
         let taken: Option<(i64, Option<Uuid>)> = sqlx::query_as(
@@ -422,6 +425,36 @@ impl Store {
 }
 
 /// Closes the item and writes its audit row, inside the resolving transaction.
+/// Refuses a resolution as succeeded without the result found for a step whose waiting
+/// dependents refer to its result: they would fail for want of it.
+async fn needs_no_result(conn: &mut sqlx::PgConnection, step: Uuid) -> Result<()> {
+    let rows: Vec<(String, Value)> = sqlx::query_as(
+        "SELECT u.name, x.input_template
+         FROM steps u
+         JOIN step_dependencies d ON d.depends_on = u.id
+         JOIN steps x ON x.id = d.step_id
+         WHERE u.id = $1 AND x.state = 'blocked' AND x.input_template IS NOT NULL",
+    )
+    .bind(step)
+    .fetch_all(&mut *conn)
+    .await?;
+    for (name, template) in rows {
+        let used = z29c_core::refs::references(&template)
+            .unwrap_or_default()
+            .into_iter()
+            .find(|(_, r)| r.step == name && matches!(r.part, z29c_core::refs::Part::Result(_)));
+        if let Some((_, r)) = used {
+            return Err(StoreError::invalid(
+                "result_json",
+                format!(
+                    "a step after \"{name}\" uses its result ({r}): give the result found with the reference"
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
 async fn close_and_audit(
     conn: &mut sqlx::PgConnection,
     item: Uuid,

@@ -343,3 +343,65 @@ async fn a_list_filters_by_state_name_and_search_and_pages(pool: PgPool) {
         .is_empty()
     );
 }
+
+/// A step in review whose dependent uses its result: resolving it as succeeded needs the
+/// result the person found (refused without, changing nothing), and the dependent then sends
+/// what that result holds.
+#[sqlx::test(migrator = "MIGRATOR")]
+async fn a_review_resolved_with_the_result_found_feeds_the_dependent(pool: PgPool) {
+    use z29c_core::{AdapterCapability, RecoveryDecision, classify};
+    use z29c_store::recovery::DecisionRecord;
+    use z29c_store::review::Resolution;
+    let store = Store::from_pool(pool.clone());
+    let mut charge = step("charge", &["reserve"]);
+    charge.input = json!({ "reservation": "${steps.reserve.result/id}" });
+    let submitted = submit(
+        &store,
+        &workflow("review-1", vec![step("reserve", &[]), charge]),
+    )
+    .await;
+    let reserve = claim_one(&store).await;
+    invoke(&store, &reserve).await;
+    let rec = take_over(&store, &pool, &reserve).await;
+    let (category, decision) = classify(&rec.snapshot.evidence(AdapterCapability::Opaque));
+    assert_eq!(decision, RecoveryDecision::HumanReview);
+    store
+        .record_decision(
+            &rec.lease,
+            &DecisionRecord {
+                category,
+                decision,
+                capability: AdapterCapability::Opaque,
+                detail: json!({}),
+            },
+        )
+        .await
+        .unwrap();
+    let item = store.review_items(false, 10).await.unwrap()[0].clone();
+    let succeeded = Resolution::Succeeded(ExternalReference::parse("res_9").unwrap());
+    match store
+        .resolve_review(item.id, item.version, "alice", "found it", &succeeded)
+        .await
+    {
+        Err(StoreError::Invalid { field, reason }) => {
+            assert_eq!(field, "result_json");
+            assert!(reason.contains("${steps.reserve.result/id}"), "{reason}");
+        }
+        other => panic!("{other:?}"),
+    }
+    store
+        .resolve_review_found(
+            item.id,
+            item.version,
+            "alice",
+            "found it in the stock system",
+            &succeeded,
+            Some(json!({ "id": "res_9" })),
+        )
+        .await
+        .unwrap();
+    let charge = claim_one(&store).await;
+    assert_eq!(charge.input, json!({ "reservation": "res_9" }));
+    let read = store.workflow(submitted.workflow).await.unwrap();
+    assert_eq!(read.steps[0].state, StepState::Completed);
+}
