@@ -255,6 +255,29 @@ fn turned_away(adapter: &AdapterConfig, result: &'static str) -> Response<Invoke
 }
 
 impl Gateway {
+    /// Refuses a call that is not an attempt's own request (`FAILED_PRECONDITION`, saying
+    /// why) and records the refusal in the audit log.
+    async fn refuse(&self, peer: Option<String>, why: &str) -> Status {
+        tracing::warn!(
+            peer = peer.as_deref().unwrap_or(""),
+            reason = why,
+            "call refused"
+        );
+        let entry = z29c_store::audit::AuditEntry {
+            service: "z29c.v1.AdapterGateway".into(),
+            method: "Invoke".into(),
+            subject: None,
+            action: "invoke".into(),
+            outcome: "refused".into(),
+            detail: why.to_owned(),
+            peer,
+        };
+        if let Err(e) = self.store.audit(&entry).await {
+            tracing::error!(error = %e, "the refusal's audit record was not written");
+        }
+        Status::failed_precondition(why)
+    }
+
     /// One invocation: permit (with *invocation began*, under a lease), the adapter's call, the
     /// permit's release (or its hand-over to the next permit's transaction), the answer.
     async fn call(
@@ -263,6 +286,7 @@ impl Gateway {
     ) -> Result<Response<InvokeResponse>, Status> {
         // the budget runs from the request's arrival: taking the permit spends it too
         let deadline = tokio::time::Instant::now() + call_timeout(&request, self.max_call());
+        let peer = request.remote_addr().map(|a| a.to_string());
         let req = request.into_inner();
         let adapter = self.adapter(&req.adapter)?;
         let z29c_proto::validate::ValidInvoke {
@@ -272,6 +296,50 @@ impl Gateway {
             lease,
             ..
         } = z29c_proto::validate::invoke(&req)?;
+        // Only an attempt's own request reaches the outside world: the caller names the
+        // attempt, and what is sent is what PostgreSQL holds for it.
+        let Some(claim) = &lease else {
+            return Err(self
+                .refuse(
+                    peer,
+                    "attempt_id: a call is sent only under an attempt's lease, and this one names no attempt",
+                )
+                .await);
+        };
+        let input = match self
+            .store
+            .attempt_request(claim.step, claim.attempt)
+            .await
+            .map_err(status_from_store)?
+        {
+            None => {
+                return Err(self
+                    .refuse(
+                        peer,
+                        &format!(
+                            "attempt_id: step {} has no attempt {}",
+                            claim.step, claim.attempt
+                        ),
+                    )
+                    .await);
+            }
+            Some(persisted) => {
+                if let Some(field) =
+                    persisted.differs_from(identity.as_str(), &input, &req.adapter, &req.operation)
+                {
+                    return Err(self
+                        .refuse(
+                            peer,
+                            &format!(
+                                "{field}: not the one attempt {} of step {} was claimed with",
+                                claim.attempt, claim.step
+                            ),
+                        )
+                        .await);
+                }
+                persisted.input
+            }
+        };
         // The ended calls' permits go with this call's permit statement, and the capacity
         // they held here with them: it comes back once their releases are durable, so no call
         // of this instance begins before the releases of the calls whose places it takes (the

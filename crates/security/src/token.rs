@@ -223,7 +223,19 @@ impl Verifier {
                         why = "the token is for another audience".into();
                     }
                     ErrorKind::InvalidIssuer => why = "the token is from another issuer".into(),
-                    other => why = format!("the token is not valid: {other:?}"),
+                    ErrorKind::ImmatureSignature => {
+                        why = "the token is not valid yet (nbf)".into();
+                    }
+                    ErrorKind::MissingRequiredClaim(claim) => {
+                        why = format!("the token lacks the claim `{claim}`");
+                    }
+                    ErrorKind::InvalidToken
+                    | ErrorKind::Base64(_)
+                    | ErrorKind::Json(_)
+                    | ErrorKind::Utf8(_) => {
+                        why = "the token is not well formed (a JWT is three base64url parts joined by dots)".into();
+                    }
+                    _ => why = "the token could not be verified".into(),
                 },
             }
         }

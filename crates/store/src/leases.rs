@@ -161,6 +161,39 @@ pub struct Observed {
     pub seen: Option<DateTime<Utc>>,
 }
 
+/// What an attempt is to send, as persisted ([`Store::attempt_request`]).
+#[derive(Debug, Clone, PartialEq, sqlx::FromRow)]
+pub struct AttemptRequest {
+    pub request_identity: Option<String>,
+    pub input_digest: String,
+    pub adapter: String,
+    pub operation: String,
+    pub input: Value,
+}
+
+impl AttemptRequest {
+    /// The first part of a caller's request that is not this attempt's, named, if any.
+    pub fn differs_from(
+        &self,
+        identity: &str,
+        input: &Value,
+        adapter: &str,
+        operation: &str,
+    ) -> Option<&'static str> {
+        if self.request_identity.as_deref() != Some(identity) {
+            Some("request_identity")
+        } else if self.adapter != adapter {
+            Some("adapter")
+        } else if self.operation != operation {
+            Some("operation")
+        } else if self.input_digest != InputDigest::of_json(input).as_str() {
+            Some("input_json")
+        } else {
+            None
+        }
+    }
+}
+
 /// The lease after a granted renewal.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Renewed {
@@ -309,6 +342,26 @@ impl Store {
         .await?;
         tx.rollback().await?;
         Ok(plan)
+    }
+
+    /// The request attempt `attempt` of step `step` is to send, as persisted when it was
+    /// claimed: its request identity, and the step's adapter, operation and (resolved) input
+    /// with its digest. A gateway sends this, and refuses a caller that asks for anything
+    /// else. None of it changes once the attempt exists. `None`: no such attempt of that step.
+    pub async fn attempt_request(
+        &self,
+        step: StepId,
+        attempt: AttemptId,
+    ) -> Result<Option<AttemptRequest>> {
+        Ok(sqlx::query_as::<_, AttemptRequest>(
+            "SELECT a.request_identity, a.input_digest, a.adapter, s.operation, s.input
+             FROM attempts a JOIN steps s ON s.id = a.step_id
+             WHERE a.id = $1 AND a.step_id = $2",
+        )
+        .bind(attempt.as_uuid())
+        .bind(step.as_uuid())
+        .fetch_optional(&self.pool)
+        .await?)
     }
 
     /// Checkpoint *invocation began* (fenced), committed before the adapter is called: from
