@@ -600,8 +600,15 @@ impl Cluster {
     /// Starts the operator console on this cluster's scheduler and first recovery instance,
     /// summing `metrics` (URLs of `/metrics`); returns its base URL.
     pub async fn add_console(&mut self, metrics: &[String]) -> Result<String> {
+        self.add_console_with(metrics, false).await
+    }
+
+    /// [`Self::add_console`]; with `https`, serving HTTPS with the cluster's `services`
+    /// certificate (a secure cluster's only), no client certificate asked of browsers.
+    pub async fn add_console_with(&mut self, metrics: &[String], https: bool) -> Result<String> {
         let port = free_port()?;
-        let config = self.dir.join("console.toml");
+        let name = if https { "console-https" } else { "console" };
+        let config = self.dir.join(format!("{name}.toml"));
         let mut toml = format!(
             "listen = \"127.0.0.1:{port}\"\nworkflow_server = \"{}\"\nreview_server = \"{}\"\nmetrics = [",
             self.scheduler_url, self.review_url
@@ -614,15 +621,30 @@ impl Cluster {
                 .join(", "),
         );
         toml.push_str("]\n");
+        if https {
+            let tls = self
+                .security
+                .as_ref()
+                .context("https needs a secure cluster")?
+                .pki
+                .tls("services");
+            let (cert, key) = (tls.cert_file.context("cert")?, tls.key_file.context("key")?);
+            toml.push_str(&format!(
+                "[https]\ncert_file = \"{}\"\nkey_file = \"{}\"\n",
+                cert.display(),
+                key.display()
+            ));
+        }
         std::fs::write(&config, toml)?;
         let p = self.spawn(
-            "console",
+            name,
             &["console", "--config", &config.to_string_lossy()],
             &[],
         )?;
         self.processes.push(p);
         self.wait_listening(port).await?;
-        Ok(format!("http://127.0.0.1:{port}"))
+        let scheme = if https { "https" } else { "http" };
+        Ok(format!("{scheme}://127.0.0.1:{port}"))
     }
 
     /// Starts one more executor.

@@ -213,10 +213,17 @@ pub(crate) async fn run(args: DevArgs) -> anyhow::Result<()> {
         tracing::warn!(taken = %args.console, "console port taken; using another");
         "127.0.0.1:0".parse()?
     };
+    // secured like the services: HTTPS with the throwaway CA's certificate, `Secure` cookies
+    let console_https = z29c_runtime::https::HttpsConfig {
+        cert_file: security.tls.cert_file.clone(),
+        key_file: security.tls.key_file.clone(),
+        client_ca_file: None,
+    };
     let (console_ready, console_addr) = tokio::sync::oneshot::channel();
     tasks.push(tokio::spawn(z29c_console::run(
         z29c_console::ConsoleConfig {
             listen: console_listen,
+            https: console_https,
             workflow_server: server.clone(),
             review_server: review_server.clone(),
             metrics: vec![format!("http://{metrics_addr}/metrics")],
@@ -233,7 +240,7 @@ pub(crate) async fn run(args: DevArgs) -> anyhow::Result<()> {
     };
 
     println!("z29c dev is up in {:.1} s", started.elapsed().as_secs_f64());
-    println!("  console: http://{console_addr}/");
+    println!("  console: {scheme}://{console_addr}/");
     println!("  metrics (all services): http://{metrics_addr}/metrics");
     println!("  scheduler (WorkflowService): {server}");
     println!("  recovery (ReviewService): {review_server}");
@@ -243,6 +250,10 @@ pub(crate) async fn run(args: DevArgs) -> anyhow::Result<()> {
     if let (Some(dir), Some(token)) = (&security.dir, &security.token) {
         println!(
             "  mutual TLS between services (throwaway CA in {}), operator tokens required",
+            dir.display()
+        );
+        println!(
+            "  the console's certificate is the throwaway CA's: trust {}/ca.pem or accept the browser's warning",
             dir.display()
         );
         println!("  to use the CLI or sign in to the console (token with every role, valid 24 h):");

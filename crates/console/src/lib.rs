@@ -9,6 +9,9 @@
 //! With operator authentication on, people sign in with their token and the console forwards
 //! it, so the services decide what each person may do; forms are CSRF-protected
 //! ([`session`]).
+//!
+//! With `https` configured it serves HTTPS only and every cookie it sets is `Secure`; without,
+//! plain HTTP for loopback development, with a warning when it listens anywhere else.
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -27,6 +30,7 @@ use z29c_core::{Action, ProductState};
 use z29c_proto::v1 as pb;
 use z29c_proto::v1::review_service_client::ReviewServiceClient;
 use z29c_proto::v1::workflow_service_client::WorkflowServiceClient;
+use z29c_runtime::https::{HttpsConfig, Incoming};
 use z29c_security::{Authed, Bearer, Caller, TlsConfig};
 
 use crate::session::{Refusal, Sessions};
@@ -40,6 +44,9 @@ pub mod view;
 pub struct ConsoleConfig {
     /// Where the page and its API are served.
     pub listen: SocketAddr,
+    /// The certificate browsers are shown: with it the console serves HTTPS only and its
+    /// cookies are `Secure`. A client certificate is asked for only with `client_ca_file`.
+    pub https: HttpsConfig,
     /// The scheduler's `WorkflowService`.
     pub workflow_server: String,
     /// A recovery instance's `ReviewService`.
@@ -56,6 +63,7 @@ impl Default for ConsoleConfig {
     fn default() -> Self {
         Self {
             listen: SocketAddr::from(([127, 0, 0, 1], 8088)),
+            https: HttpsConfig::default(),
             workflow_server: "http://127.0.0.1:50051".into(),
             review_server: "http://127.0.0.1:50053".into(),
             metrics: Vec::new(),
@@ -79,6 +87,9 @@ impl z29c_runtime::Validate for ConsoleConfig {
                 ));
             }
         }
+        self.https
+            .enabled()
+            .map_err(|e| Invalid::new("https", e.to_string()))?;
         Ok(())
     }
 }
@@ -152,10 +163,19 @@ pub async fn run(
     if !verifier.enabled() {
         tracing::warn!("console sign-in is off: anyone who reaches it may act (set auth.enabled)");
     }
+    let acceptor = config.https.acceptor("https")?;
+    let secure = acceptor.is_some();
+    if !secure && !config.listen.ip().is_loopback() {
+        tracing::warn!(
+            listen = %config.listen,
+            "console over plain HTTP on a non-loopback address: sign-in tokens cross the network \
+             in the clear (set https)"
+        );
+    }
     let app = App {
         workflows,
         reviews,
-        sessions: Sessions::new(verifier),
+        sessions: Sessions::new(verifier, secure),
         metrics: config.metrics.clone(),
         http: reqwest::Client::new(),
     };
@@ -163,11 +183,13 @@ pub async fn run(
         .await
         .with_context(|| format!("listen on {}", config.listen))?;
     let addr = listener.local_addr()?;
-    tracing::info!(%addr, workflow_server = %config.workflow_server, review_server = %config.review_server, "console listening");
+    let scheme = if secure { "https" } else { "http" };
+    tracing::info!(%addr, scheme, workflow_server = %config.workflow_server, review_server = %config.review_server, "console listening");
+    let incoming = Incoming::spawn(listener, acceptor, "console", shutdown.clone())?;
     if let Some(ready) = ready {
         let _ = ready.send(addr);
     }
-    axum::serve(listener, router(app))
+    axum::serve(incoming, router(app))
         .with_graceful_shutdown(shutdown.cancelled_owned())
         .await?;
     Ok(())

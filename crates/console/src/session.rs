@@ -6,6 +6,8 @@
 //! person may do. Every state-changing request must carry the CSRF token in `x-csrf-token`:
 //! a hash of a per-process secret and the session, handed to the page in a readable cookie
 //! (the signed double-submit pattern), and its `Origin`, when sent, must be the console's own.
+//! When the console serves HTTPS every cookie is also `Secure`, so a browser never sends the
+//! session over plain HTTP.
 
 use axum::http::HeaderMap;
 use axum_extra::extract::cookie::{Cookie, CookieJar, SameSite};
@@ -29,13 +31,17 @@ pub enum Refusal {
 pub struct Sessions {
     verifier: Verifier,
     secret: [u8; 32],
+    /// Whether cookies carry `Secure`: only when the console serves HTTPS, since a browser
+    /// keeps no `Secure` cookie set over plain HTTP (loopback development would not sign in).
+    secure: bool,
 }
 
 impl Sessions {
-    pub fn new(verifier: Verifier) -> Self {
+    pub fn new(verifier: Verifier, secure: bool) -> Self {
         Self {
             verifier,
             secret: rand::random(),
+            secure,
         }
     }
 
@@ -104,25 +110,32 @@ impl Sessions {
             .verifier
             .verify_token(token)
             .map_err(|d| Refusal::SignIn(d.to_string()))?;
-        let session = Cookie::build((SESSION_COOKIE, token.to_owned()))
-            .http_only(true)
-            .same_site(SameSite::Strict)
-            .path("/")
-            .build();
+        let session = self.session_cookie(token.to_owned());
         let csrf = self.csrf_cookie(Some(token));
         Ok((jar.add(session).add(csrf), caller))
+    }
+
+    /// The cookie carrying the session's token, out of the page's scripts' reach.
+    fn session_cookie(&self, token: String) -> Cookie<'static> {
+        Cookie::build((SESSION_COOKIE, token))
+            .http_only(true)
+            .same_site(SameSite::Strict)
+            .secure(self.secure)
+            .path("/")
+            .build()
     }
 
     /// The readable cookie carrying the CSRF token for `session`.
     pub fn csrf_cookie(&self, session: Option<&str>) -> Cookie<'static> {
         Cookie::build((CSRF_COOKIE, self.csrf_for(session)))
             .same_site(SameSite::Strict)
+            .secure(self.secure)
             .path("/")
             .build()
     }
 
     pub fn sign_out(&self, jar: CookieJar) -> CookieJar {
-        jar.remove(Cookie::build(SESSION_COOKIE).path("/"))
+        jar.remove(self.session_cookie(String::new()))
             .add(self.csrf_cookie(None))
     }
 }
@@ -136,6 +149,10 @@ mod tests {
     const SECRET: &str = "console-test-secret-console-test-secret";
 
     fn sessions() -> Sessions {
+        sessions_over(false)
+    }
+
+    fn sessions_over(https: bool) -> Sessions {
         Sessions::new(
             Verifier::from_config(&AuthConfig {
                 enabled: true,
@@ -143,6 +160,7 @@ mod tests {
                 ..AuthConfig::default()
             })
             .unwrap(),
+            https,
         )
     }
 
@@ -191,6 +209,46 @@ mod tests {
             s.check_forgery(&jar, &evil),
             Err(Refusal::Forgery("the request comes from another origin"))
         );
+    }
+
+    #[test]
+    fn every_cookie_is_secure_over_https_and_only_then() {
+        let token = z29c_security::token::mint(
+            SECRET,
+            "z29c",
+            "rita",
+            &[Role::Viewer],
+            std::time::Duration::from_secs(60),
+        )
+        .unwrap();
+        let set_cookies = |jar: CookieJar| -> Vec<Cookie<'static>> {
+            use axum::response::IntoResponse;
+            jar.into_response()
+                .headers()
+                .get_all("set-cookie")
+                .iter()
+                .map(|v| Cookie::parse(v.to_str().unwrap().to_owned()).unwrap())
+                .collect()
+        };
+        let signed_in = CookieJar::from_headers(&headers(&[(
+            "cookie",
+            &format!("{SESSION_COOKIE}={token}"),
+        )]));
+        for https in [false, true] {
+            let s = sessions_over(https);
+            let (jar, _) = s.sign_in(CookieJar::new(), &token).unwrap();
+            let mut set = set_cookies(jar);
+            set.extend(set_cookies(s.sign_out(signed_in.clone())));
+            set.push(s.csrf_cookie(None));
+            assert_eq!(set.len(), 5, "sign-in, sign-out and the page's: {set:?}");
+            for c in &set {
+                assert_eq!(c.secure().unwrap_or(false), https, "{c}");
+                assert_eq!(c.same_site(), Some(SameSite::Strict), "{c}");
+            }
+            let sessions: Vec<_> = set.iter().filter(|c| c.name() == SESSION_COOKIE).collect();
+            assert_eq!(sessions.len(), 2, "set and removed: {set:?}");
+            assert!(sessions.iter().all(|c| c.http_only() == Some(true)));
+        }
     }
 
     #[test]

@@ -1,11 +1,12 @@
 //! Plumbing every z29c service shares, so each `main` stays short: configuration ([`config`]:
 //! layering, the shared fields, checks at load), signal handling (first signal
 //! drains, second exits at once), tracing set-up (`z29c_telemetry::trace`), and the one mapping from store errors to
-//! `tonic::Status`; the door of the public services ([`guard`]) and how every gRPC server is
-//! built ([`server`]).
+//! `tonic::Status`; the door of the public services ([`guard`]), how every gRPC server is
+//! built ([`server`]) and how every HTTP listener serves HTTPS ([`https`]).
 
 pub mod config;
 pub mod guard;
+pub mod https;
 pub mod server;
 
 pub use config::{SharedConfig, Validate, load_config};

@@ -25,13 +25,7 @@ use axum::routing::{get, post};
 use axum::serve::{IncomingStream, Listener};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
-use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{Semaphore, mpsc};
-use tokio_rustls::TlsAcceptor;
-use tokio_rustls::rustls;
-use tokio_rustls::rustls::pki_types::pem::PemObject;
-use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer};
-use tokio_util::either::Either;
+use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tonic::Code;
 use tonic::metadata::MetadataMap;
@@ -40,6 +34,7 @@ use z29c_core::ProductState;
 use z29c_proto::v1::workflow_service_server::WorkflowService;
 use z29c_proto::v1::{self as pb};
 use z29c_proto::workflow_file::WorkflowFile;
+use z29c_runtime::https::{HttpsConfig, Incoming};
 use z29c_security::TlsConfig;
 
 /// The longest `?wait=` a read holds its answer back for the workflow to end.
@@ -47,13 +42,6 @@ pub const MAX_WAIT: Duration = Duration::from_secs(60);
 
 /// How often a waiting read looks at the workflow again.
 const POLL: Duration = Duration::from_millis(250);
-
-/// A TLS handshake that has not finished by then is dropped: a client that opens
-/// connections and says nothing must not hold a handshake slot.
-const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
-
-/// Handshakes under way at once; further connections wait to be accepted.
-const HANDSHAKES: usize = 256;
 
 /// An error answer: the HTTP status, the gRPC code it stands for and what went wrong, as
 /// `{"error": {"code": "INVALID_ARGUMENT", "message": "steps[0].adapter: …"}}`.
@@ -668,132 +656,6 @@ impl Connected<IncomingStream<'_, Incoming>> for Peer {
     }
 }
 
-type Conn = Either<TcpStream, Box<tokio_rustls::server::TlsStream<TcpStream>>>;
-
-/// Connections ready to be served: accepted, and past their TLS handshake when TLS is on.
-/// Handshakes run in tasks of their own, so one slow client does not hold up the next.
-struct Incoming {
-    local: SocketAddr,
-    ready: mpsc::Receiver<(Conn, SocketAddr)>,
-}
-
-impl Listener for Incoming {
-    type Io = Conn;
-    type Addr = SocketAddr;
-
-    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
-        match self.ready.recv().await {
-            Some(conn) => conn,
-            // the accepting task ended with the process's shutdown; the server stops first
-            None => std::future::pending().await,
-        }
-    }
-
-    fn local_addr(&self) -> std::io::Result<Self::Addr> {
-        Ok(self.local)
-    }
-}
-
-async fn accept_loop(
-    listener: TcpListener,
-    tls: Option<TlsAcceptor>,
-    ready: mpsc::Sender<(Conn, SocketAddr)>,
-    shutdown: CancellationToken,
-) {
-    let handshakes = Arc::new(Semaphore::new(HANDSHAKES));
-    loop {
-        let accepted = tokio::select! {
-            _ = shutdown.cancelled() => return,
-            a = listener.accept() => a,
-        };
-        let (tcp, peer) = match accepted {
-            Ok(c) => c,
-            // one connection's trouble, not the listener's
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    std::io::ErrorKind::ConnectionAborted | std::io::ErrorKind::ConnectionReset
-                ) =>
-            {
-                continue;
-            }
-            Err(e) => {
-                // out of file descriptors, say: accepting again at once would spin
-                tracing::warn!(error = %e, "http api: accept failed");
-                tokio::select! {
-                    _ = shutdown.cancelled() => return,
-                    _ = tokio::time::sleep(Duration::from_secs(1)) => continue,
-                }
-            }
-        };
-        let _ = tcp.set_nodelay(true);
-        let Some(acceptor) = &tls else {
-            if ready.send((Either::Left(tcp), peer)).await.is_err() {
-                return;
-            }
-            continue;
-        };
-        let permit = tokio::select! {
-            _ = shutdown.cancelled() => return,
-            p = handshakes.clone().acquire_owned() => match p {
-                Ok(p) => p,
-                Err(_) => return,
-            },
-        };
-        let (acceptor, ready) = (acceptor.clone(), ready.clone());
-        tokio::spawn(async move {
-            let _permit = permit;
-            match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
-                Ok(Ok(stream)) => {
-                    let _ = ready.send((Either::Right(Box::new(stream)), peer)).await;
-                }
-                Ok(Err(e)) => tracing::debug!(%peer, error = %e, "http api: tls handshake failed"),
-                Err(_) => tracing::debug!(%peer, "http api: tls handshake timed out"),
-            }
-        });
-    }
-}
-
-fn read_file(path: Option<&std::path::PathBuf>, what: &str) -> anyhow::Result<Vec<u8>> {
-    let path = path.with_context(|| format!("tls.{what}: not set"))?;
-    std::fs::read(path).with_context(|| format!("tls.{what}: cannot read {}", path.display()))
-}
-
-/// TLS settings of the HTTP listener: the scheduler's certificate, and a client certificate
-/// from the CA required, as on the gRPC port. Only HTTP/1.1 is offered, which every HTTP
-/// client speaks.
-fn tls_acceptor(tls: &TlsConfig) -> anyhow::Result<Option<TlsAcceptor>> {
-    if !tls.enabled()? {
-        return Ok(None);
-    }
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let mut roots = rustls::RootCertStore::empty();
-    for cert in CertificateDer::pem_slice_iter(&read_file(tls.ca_file.as_ref(), "ca_file")?) {
-        roots
-            .add(cert.context("tls.ca_file: not a PEM certificate")?)
-            .context("tls.ca_file")?;
-    }
-    let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
-        Arc::new(roots),
-        provider.clone(),
-    )
-    .build()
-    .context("tls.ca_file: no usable CA certificate")?;
-    let certs = CertificateDer::pem_slice_iter(&read_file(tls.cert_file.as_ref(), "cert_file")?)
-        .collect::<Result<Vec<_>, _>>()
-        .context("tls.cert_file: not a PEM certificate")?;
-    let key = PrivateKeyDer::from_pem_slice(&read_file(tls.key_file.as_ref(), "key_file")?)
-        .context("tls.key_file: not a PEM private key")?;
-    let mut config = rustls::ServerConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .context("tls: protocol versions")?
-        .with_client_cert_verifier(verifier)
-        .with_single_cert(certs, key)
-        .context("tls: the certificate and key do not go together")?;
-    config.alpn_protocols = vec![b"http/1.1".to_vec()];
-    Ok(Some(TlsAcceptor::from(Arc::new(config))))
-}
-
 /// Serves the API over `service` on `addr` until `shutdown`, with `tls` when it is configured.
 /// Returns the bound address and the server's task, which ends once in-flight requests have
 /// been answered (a waiting read answers at once on shutdown).
@@ -804,7 +666,7 @@ pub async fn serve<S: WorkflowService>(
     service: Arc<S>,
     shutdown: CancellationToken,
 ) -> anyhow::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
-    let acceptor = tls_acceptor(tls)?;
+    let acceptor = HttpsConfig::mutual(tls)?.acceptor("tls")?;
     if acceptor.is_none() {
         tracing::warn!(
             "HTTP API without TLS: any process that reaches this port may call it (set tls)"
@@ -813,11 +675,9 @@ pub async fn serve<S: WorkflowService>(
     let listener = TcpListener::bind(addr)
         .await
         .with_context(|| format!("bind http_listen {addr}"))?;
-    let local = listener.local_addr()?;
-    let (tx, rx) = mpsc::channel(64);
-    tokio::spawn(accept_loop(listener, acceptor, tx, shutdown.clone()));
+    let incoming = Incoming::spawn(listener, acceptor, "http api", shutdown.clone())?;
+    let local = incoming.local_addr()?;
     let app = router(service, max_body, shutdown.clone());
-    let incoming = Incoming { local, ready: rx };
     tracing::info!(addr = %local, "HTTP API listening");
     let server = tokio::spawn(async move {
         let served = axum::serve(incoming, app.into_make_service_with_connect_info::<Peer>())
