@@ -90,9 +90,9 @@ impl ReviewService for Reviews {
         &self,
         request: Request<pb::ResolveRequest>,
     ) -> Result<Response<pb::ReviewItem>, Status> {
-        let caller = self
+        let (caller, audit) = self
             .guard
-            .admit(&request, "Resolve", Action::Resolve)
+            .admit_change(&request, "Resolve", Action::Resolve)
             .await?;
         let who = if self.guard.verifier().enabled() {
             caller.subject
@@ -140,16 +140,19 @@ impl ReviewService for Reviews {
         };
         let resolved = self
             .store
-            .resolve_review_found(
+            .resolve_review_audited(
                 item,
                 req.expected_version,
                 &who,
                 &req.reason,
                 &resolution,
                 found,
+                audit.entry(),
             )
             .await
             .map_err(status_from_store)?;
+        // the call's audit row committed with the resolution
+        audit.written();
         let (kind, outcome) = match &resolution {
             Resolution::Succeeded(_) => ("succeeded", Some("succeeded")),
             Resolution::Failed => ("failed", Some("failed")),

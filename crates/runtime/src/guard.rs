@@ -2,7 +2,10 @@
 //! (operator tokens), whether a role allows the action, whether the caller is over its
 //! submission rate, and the audit record of every refusal and every allowed change.
 //!
-//! Audit rows are written by one background task from a bounded queue. A flood of refused
+//! An allowed change's audit entry is handed to the change ([`Guard::admit_change`]): the
+//! store writes it in the change's own transaction, so a crash after the commit cannot lose
+//! the record of an operator's decision. Refusals, and the allowed calls that changed
+//! nothing, are written by one background task from a bounded queue. A flood of refused
 //! calls (no credentials, over the rate) must not turn into a flood of inserts: beyond the
 //! queue's room, refusals are counted in `z29c_audit_dropped_total` and logged instead.
 
@@ -63,13 +66,51 @@ impl Guard {
     }
 
     /// The caller of `request` if it may do `action` now; otherwise the status to answer
-    /// (`UNAUTHENTICATED`, `PERMISSION_DENIED`, `RESOURCE_EXHAUSTED`), audited.
+    /// (`UNAUTHENTICATED`, `PERMISSION_DENIED`, `RESOURCE_EXHAUSTED`), audited. An allowed
+    /// change is audited through the queue; [`Guard::admit_change`] hands its entry to the
+    /// change instead.
     pub async fn admit<T>(
         &self,
         request: &Request<T>,
         method: &'static str,
         action: Action,
     ) -> Result<Caller, Status> {
+        let (caller, entry) = self.check(request, method, action)?;
+        if let Some(entry) = entry {
+            // an allowed change waits for room: it is never left out of the record
+            if self.audit.send(entry).await.is_err() {
+                return Err(Status::unavailable("audit log unavailable"));
+            }
+        }
+        Ok(caller)
+    }
+
+    /// [`Guard::admit`] for a change, with its audit entry for the change to write in its own
+    /// transaction ([`ChangeAudit`]).
+    pub async fn admit_change<T>(
+        &self,
+        request: &Request<T>,
+        method: &'static str,
+        action: Action,
+    ) -> Result<(Caller, ChangeAudit), Status> {
+        let (caller, entry) = self.check(request, method, action)?;
+        Ok((
+            caller,
+            ChangeAudit {
+                entry,
+                queue: self.audit.clone(),
+            },
+        ))
+    }
+
+    /// The caller and, for an allowed change with authentication on, its audit entry; or the
+    /// refusal, queued for the audit log.
+    fn check<T>(
+        &self,
+        request: &Request<T>,
+        method: &'static str,
+        action: Action,
+    ) -> Result<(Caller, Option<AuditEntry>), Status> {
         let peer = request.remote_addr().map(|a| a.to_string());
         let caller = match self.verifier.authorize(request.metadata(), action) {
             Ok(c) => c,
@@ -115,22 +156,16 @@ impl Guard {
                 return Err(Status::resource_exhausted(detail));
             }
         }
-        if action.mutates() && self.verifier.enabled() {
-            let entry = AuditEntry {
-                service: self.service.into(),
-                method: method.into(),
-                subject: Some(caller.subject.clone()),
-                action: action.as_str().into(),
-                outcome: "allowed".into(),
-                detail: String::new(),
-                peer,
-            };
-            // an allowed change waits for room: it is never left out of the record
-            if self.audit.send(entry).await.is_err() {
-                return Err(Status::unavailable("audit log unavailable"));
-            }
-        }
-        Ok(caller)
+        let entry = (action.mutates() && self.verifier.enabled()).then(|| AuditEntry {
+            service: self.service.into(),
+            method: method.into(),
+            subject: Some(caller.subject.clone()),
+            action: action.as_str().into(),
+            outcome: "allowed".into(),
+            detail: String::new(),
+            peer,
+        });
+        Ok((caller, entry))
     }
 
     fn refused(&self, entry: AuditEntry) {
@@ -143,6 +178,59 @@ impl Guard {
         if let Err(mpsc::error::TrySendError::Full(entry)) = self.audit.try_send(entry) {
             z29c_telemetry::metrics::counter!(z29c_telemetry::AUDIT_DROPPED).increment(1);
             tracing::warn!(?entry, "audit queue full; refusal not recorded");
+        }
+    }
+}
+
+/// The audit entry of an allowed change, for the store to write in the change's transaction
+/// (`None` when allowed calls are not audited: authentication is off). Call
+/// [`ChangeAudit::written`] once the change committed with it. Dropped unwritten (the call
+/// was refused further on, failed, or changed nothing), it goes to the background writer's
+/// queue as an admitted change always did: the call is on record either way. Should a caller
+/// go away while its commit is under way, the entry may be recorded twice; never not at all.
+#[derive(Debug)]
+#[must_use = "an allowed change's audit entry is written with the change"]
+pub struct ChangeAudit {
+    entry: Option<AuditEntry>,
+    queue: mpsc::Sender<AuditEntry>,
+}
+
+impl ChangeAudit {
+    /// The entry to write with the change.
+    pub fn entry(&self) -> Option<&AuditEntry> {
+        self.entry.as_ref()
+    }
+
+    /// The change committed, its entry with it: nothing is left to queue.
+    pub fn written(mut self) {
+        self.entry = None;
+    }
+}
+
+impl Drop for ChangeAudit {
+    fn drop(&mut self) {
+        let Some(entry) = self.entry.take() else {
+            return;
+        };
+        match self.queue.try_send(entry) {
+            Ok(()) => {}
+            Err(mpsc::error::TrySendError::Full(entry)) => {
+                // an allowed call waits for room: it is never left out of the record
+                let queue = self.queue.clone();
+                match tokio::runtime::Handle::try_current() {
+                    Ok(runtime) => {
+                        runtime.spawn(async move {
+                            let _ = queue.send(entry).await;
+                        });
+                    }
+                    Err(_) => {
+                        tracing::error!(?entry, "audit queue full; allowed call not recorded")
+                    }
+                }
+            }
+            Err(mpsc::error::TrySendError::Closed(entry)) => {
+                tracing::error!(?entry, "audit log unavailable; allowed call not recorded");
+            }
         }
     }
 }

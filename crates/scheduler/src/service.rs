@@ -18,6 +18,7 @@ use z29c_core::{
 };
 use z29c_proto::v1::workflow_service_server::WorkflowService;
 use z29c_proto::v1::{self as pb};
+use z29c_runtime::guard::ChangeAudit;
 use z29c_runtime::{Guard, status_from_store};
 use z29c_store::Store;
 use z29c_store::submissions::SubmissionBatches;
@@ -424,6 +425,7 @@ impl Workflows {
     async fn submit_traced(
         &self,
         request: Request<pb::SubmitRequest>,
+        audit: ChangeAudit,
     ) -> Result<Response<pb::SubmitResponse>, Status> {
         let mut wf = new_workflow(request.into_inner())?;
         wf.trace_context = z29c_telemetry::trace::current_traceparent();
@@ -431,8 +433,12 @@ impl Workflows {
         let prepared = Prepared::new(wf, &self.limits).map_err(status_from_store)?;
         let submitted = match self.check_adapters(prepared.workflow()).await {
             Ok(()) => match &self.submissions {
-                Some(batches) => batches.submit(prepared).await,
-                None => self.store.submit_prepared(&prepared).await,
+                Some(batches) => {
+                    batches
+                        .submit_audited(prepared, audit.entry().cloned())
+                        .await
+                }
+                None => self.store.submit_audited(&prepared, audit.entry()).await,
             }
             .map_err(status_from_store)?,
             // a retried submit is answered with the workflow it created, even when its
@@ -445,6 +451,10 @@ impl Workflows {
                 .ok_or(refused)?,
         };
         if submitted.created {
+            // the statement that created the workflow wrote its audit row; a submission that
+            // changed nothing (the same key and payload again) is recorded through the queue
+            // as the entry drops
+            audit.written();
             self.relay_wake.notify_one();
         }
         tracing::Span::current().record("workflow", tracing::field::display(&submitted.workflow));
@@ -481,7 +491,10 @@ impl WorkflowService for Workflows {
         &self,
         request: Request<pb::SubmitRequest>,
     ) -> Result<Response<pb::SubmitResponse>, Status> {
-        self.guard.admit(&request, "Submit", Action::Submit).await?;
+        let (_, audit) = self
+            .guard
+            .admit_change(&request, "Submit", Action::Submit)
+            .await?;
         // the submission is the root of the workflow's trace (or joins the caller's)
         let span = tracing::info_span!(
             "workflow.submit",
@@ -492,7 +505,7 @@ impl WorkflowService for Workflows {
             &span,
             z29c_telemetry::trace::grpc_traceparent(&request).as_deref(),
         );
-        self.submit_traced(request).instrument(span).await
+        self.submit_traced(request, audit).instrument(span).await
     }
 
     async fn get(
@@ -558,7 +571,10 @@ impl WorkflowService for Workflows {
         &self,
         request: Request<pb::CancelRequest>,
     ) -> Result<Response<pb::Workflow>, Status> {
-        self.guard.admit(&request, "Cancel", Action::Cancel).await?;
+        let (_, audit) = self
+            .guard
+            .admit_change(&request, "Cancel", Action::Cancel)
+            .await?;
         let req = request.into_inner();
         let id = parse_id("workflow_id", &req.workflow_id)?;
         let reason = if req.reason.trim().is_empty() {
@@ -567,9 +583,10 @@ impl WorkflowService for Workflows {
             req.reason
         };
         self.store
-            .cancel_workflow(id, &reason)
+            .cancel_workflow_audited(id, &reason, audit.entry())
             .await
             .map_err(status_from_store)?;
+        audit.written();
         Ok(Response::new(self.detail(id, false).await?))
     }
 

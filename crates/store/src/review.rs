@@ -259,6 +259,27 @@ impl Store {
         resolution: &Resolution,
         found: Option<Value>,
     ) -> Result<ReviewItem> {
+        self.resolve_review_audited(item, expected_version, who, reason, resolution, found, None)
+            .await
+    }
+
+    /// [`Store::resolve_review_found`], with `audit` (the allowed call that asked for it)
+    /// written to the audit log in the resolution's transaction, beside its `review_resolutions`
+    /// row: a decision that commits is on record even if its service dies before answering.
+    #[expect(
+        clippy::too_many_arguments,
+        reason = "resolve_review_found's arguments and the call's audit entry"
+    )]
+    pub async fn resolve_review_audited(
+        &self,
+        item: Uuid,
+        expected_version: i64,
+        who: &str,
+        reason: &str,
+        resolution: &Resolution,
+        found: Option<Value>,
+        audit: Option<&crate::audit::AuditEntry>,
+    ) -> Result<ReviewItem> {
         if found.is_some() && !matches!(resolution, Resolution::Succeeded(_)) {
             return Err(StoreError::invalid(
                 "result_json",
@@ -322,7 +343,7 @@ impl Store {
                     "the step no longer awaits review".into(),
                 ));
             }
-            close_and_audit(&mut tx, item, &row, who, reason, resolution).await?;
+            close_and_audit(&mut tx, item, &row, who, reason, resolution, audit).await?;
             tx.commit().await?;
             return self.review_item(item).await;
         };
@@ -408,7 +429,7 @@ impl Store {
         if let Some(identity) = &identity {
             crate::permits::release_unknown_for(&mut tx, identity, "resolved by review").await?;
         }
-        close_and_audit(&mut tx, item, &row, who, reason, resolution).await?;
+        close_and_audit(&mut tx, item, &row, who, reason, resolution, audit).await?;
         events::append(
             &mut tx,
             NewEvent::by(
@@ -455,6 +476,8 @@ async fn needs_no_result(conn: &mut sqlx::PgConnection, step: Uuid) -> Result<()
     Ok(())
 }
 
+/// Closes the item and writes its resolution row and, for an audited call, its `audit_log`
+/// row, on the resolution's transaction: the decision and its record commit together.
 async fn close_and_audit(
     conn: &mut sqlx::PgConnection,
     item: Uuid,
@@ -462,7 +485,11 @@ async fn close_and_audit(
     who: &str,
     reason: &str,
     resolution: &Resolution,
+    audit: Option<&crate::audit::AuditEntry>,
 ) -> Result<()> {
+    if let Some(e) = audit {
+        crate::audit::write(&mut *conn, e).await?;
+    }
     let external_reference = match resolution {
         Resolution::Succeeded(r) => Some(r.as_str()),
         _ => None,

@@ -491,6 +491,17 @@ impl Store {
     /// was taken (by an earlier submission, or by another of the batch), which wrote nothing.
     /// Keys are inserted in key order, so two batches that share keys cannot deadlock.
     pub async fn insert_workflows(&self, batch: &[Prepared]) -> Result<Vec<Option<Submitted>>> {
+        self.insert_audited_workflows(batch, &[]).await
+    }
+
+    /// [`Store::insert_workflows`], with `audits[i]` (the allowed call that submitted
+    /// `batch[i]`, if it is audited) written in the same statement, for the workflows the
+    /// statement created only: the record of the change commits with it or not at all.
+    pub async fn insert_audited_workflows(
+        &self,
+        batch: &[Prepared],
+        audits: &[Option<&crate::audit::AuditEntry>],
+    ) -> Result<Vec<Option<Submitted>>> {
         let mut order: Vec<usize> = (0..batch.len()).collect();
         order.sort_by(|&a, &b| {
             batch[a]
@@ -503,10 +514,24 @@ impl Store {
         let (mut steps, mut dependent, mut dependency, mut dependency_workflow) =
             (vec![], vec![], vec![], vec![]);
         let (mut ready, mut ready_workflow) = (vec![], vec![]);
+        let mut audit_rows = vec![];
         for &k in &order {
             let p = &batch[k];
             let wf = &p.wf;
             let workflow = p.id.as_uuid();
+            if let Some(Some(e)) = audits.get(k) {
+                let e = e.clipped();
+                audit_rows.push(json!({
+                    "workflow_id": workflow,
+                    "service": e.service,
+                    "method": e.method,
+                    "subject": e.subject,
+                    "action": e.action,
+                    "outcome": e.outcome,
+                    "detail": e.detail,
+                    "peer": e.peer,
+                }));
+            }
             ids.push(workflow);
             keys.push(wf.client_key.as_str());
             digests.push(p.digest.as_str());
@@ -600,6 +625,12 @@ impl Store {
                         w.trace_context
                  FROM unnest($12::uuid[], $13::uuid[]) AS r(id, workflow_id)
                  JOIN w ON w.id = r.workflow_id
+             ), a AS (
+                 INSERT INTO audit_log (service, method, subject, action, outcome, detail, peer)
+                 SELECT x.service, x.method, x.subject, x.action, x.outcome, x.detail, x.peer
+                 FROM jsonb_to_recordset($14) AS x(workflow_id uuid, service text, method text,
+                     subject text, action text, outcome text, detail text, peer text)
+                 JOIN w ON w.id = x.workflow_id
              )
              SELECT id, created_at FROM w",
         )
@@ -616,6 +647,7 @@ impl Store {
         .bind(MessageKind::StepReady.as_str())
         .bind(&ready)
         .bind(&ready_workflow)
+        .bind(Value::Array(audit_rows))
         .fetch_all(&self.pool)
         .await?;
         Ok(batch
@@ -838,6 +870,19 @@ impl Store {
     /// are refused) while an invocation already begun may still record its outcome. Cancelling
     /// a cancelled workflow is a no-op; cancelling a finished one is a conflict.
     pub async fn cancel_workflow(&self, id: WorkflowId, reason: &str) -> Result<WorkflowState> {
+        self.cancel_workflow_audited(id, reason, None).await
+    }
+
+    /// [`Store::cancel_workflow`], with `audit` (the allowed call that asked for it) written
+    /// in the same transaction: a cancel that commits is on record, even if its service dies
+    /// before answering. A no-op cancel is recorded too; a refused one is not (nothing
+    /// commits).
+    pub async fn cancel_workflow_audited(
+        &self,
+        id: WorkflowId,
+        reason: &str,
+        audit: Option<&crate::audit::AuditEntry>,
+    ) -> Result<WorkflowState> {
         let mut tx = self.begin().await?;
         let state: Option<String> =
             sqlx::query_scalar("SELECT state::text FROM workflows WHERE id = $1 FOR UPDATE")
@@ -846,30 +891,34 @@ impl Store {
                 .await?;
         let state: WorkflowState = parse(&state.ok_or(StoreError::NotFound { what: "workflow" })?)?;
         match state {
-            WorkflowState::Cancelled => return Ok(state),
+            WorkflowState::Cancelled => {}
             WorkflowState::Completed | WorkflowState::Failed => {
                 return Err(StoreError::Conflict(format!("workflow is already {state}")));
             }
-            WorkflowState::Running => {}
+            WorkflowState::Running => {
+                sqlx::query(
+                    "UPDATE workflows SET state = 'cancelled', cancel_reason = $2,
+                         ended_at = now(), updated_at = now()
+                     WHERE id = $1",
+                )
+                .bind(id.as_uuid())
+                .bind(reason)
+                .execute(&mut *tx)
+                .await?;
+                crate::ending::stop_unstarted_steps(&mut tx, id.as_uuid(), reason).await?;
+                outbox::enqueue(
+                    &mut tx,
+                    MessageKind::WorkflowChanged,
+                    id.as_uuid(),
+                    None,
+                    json!({ "state": "cancelled" }),
+                )
+                .await?;
+            }
         }
-        sqlx::query(
-            "UPDATE workflows SET state = 'cancelled', cancel_reason = $2, ended_at = now(),
-                 updated_at = now()
-             WHERE id = $1",
-        )
-        .bind(id.as_uuid())
-        .bind(reason)
-        .execute(&mut *tx)
-        .await?;
-        crate::ending::stop_unstarted_steps(&mut tx, id.as_uuid(), reason).await?;
-        outbox::enqueue(
-            &mut tx,
-            MessageKind::WorkflowChanged,
-            id.as_uuid(),
-            None,
-            json!({ "state": "cancelled" }),
-        )
-        .await?;
+        if let Some(e) = audit {
+            crate::audit::write(&mut *tx, e).await?;
+        }
         tx.commit().await?;
         Ok(WorkflowState::Cancelled)
     }
