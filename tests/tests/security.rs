@@ -530,7 +530,7 @@ async fn the_cli_mints_a_token_and_reaches_a_secure_cluster_only_with_it() -> Re
     let refused = z29c(args(&["status", &id]), None).await?;
     assert_eq!(refused.status.code(), Some(2));
     assert!(
-        String::from_utf8_lossy(&refused.stderr).contains("Unauthenticated"),
+        String::from_utf8_lossy(&refused.stderr).contains("unauthenticated: no credentials"),
         "{}",
         String::from_utf8_lossy(&refused.stderr)
     );

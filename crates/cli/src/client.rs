@@ -176,10 +176,13 @@ pub(crate) async fn submit(
     output: Output,
     access: &Access,
 ) -> anyhow::Result<()> {
-    let workflow = read_workflow(file).map_err(|e| e.context(Exit::BadInput))?;
+    // the whole file is checked before anything is reached: a bad field is named offline
+    let request = read_workflow(file)
+        .and_then(|w| w.into_request().map_err(anyhow::Error::new))
+        .map_err(|e| e.context(Exit::BadInput))?;
     let client = connect(server, access).await?;
     let submitted = client
-        .submit_file(workflow)
+        .submit(request)
         .await
         .map_err(|e| failed("submit refused", e))?;
     let wf = &submitted.workflow;
