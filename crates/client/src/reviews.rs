@@ -3,9 +3,10 @@
 use std::time::Duration;
 
 use tonic::metadata::{Ascii, MetadataValue};
+use tonic::transport::Channel;
 use z29c_proto::v1::review_service_client::ReviewServiceClient;
 use z29c_proto::v1::{self as pb, resolve_request};
-use z29c_security::Authed;
+use z29c_security::{Authed, Bearer};
 
 use crate::{Access, Error, Result};
 
@@ -44,6 +45,16 @@ impl Reviews {
             timeout: access.call_timeout,
             operator: None,
         })
+    }
+
+    /// A client on a channel its caller keeps, carrying `bearer` (see
+    /// [`crate::Client::on_channel`]).
+    pub fn on_channel(channel: Channel, bearer: Bearer, call_timeout: Duration) -> Self {
+        Self {
+            inner: ReviewServiceClient::with_interceptor(channel, bearer),
+            timeout: call_timeout,
+            operator: None,
+        }
     }
 
     /// The name recorded on resolutions when the service runs without operator tokens (with

@@ -5,10 +5,11 @@ use std::time::Duration;
 use backon::Retryable;
 use futures::stream::{BoxStream, StreamExt, TryStreamExt};
 use tonic::Code;
+use tonic::transport::Channel;
 use z29c_proto::v1::workflow_service_client::WorkflowServiceClient;
 use z29c_proto::v1::{self as pb, ProductState};
 use z29c_proto::workflow_file::WorkflowFile;
-use z29c_security::Authed;
+use z29c_security::{Authed, Bearer};
 
 use crate::{Access, Error, Result};
 
@@ -143,6 +144,16 @@ impl Client {
             inner: WorkflowServiceClient::with_interceptor(channel, bearer),
             timeout: access.call_timeout,
         })
+    }
+
+    /// A client on a channel its caller keeps, carrying `bearer`: for a server that calls the
+    /// scheduler on behalf of many people, each with their own token (the console keeps one
+    /// channel and makes a client per request). Calls are bounded by `call_timeout`.
+    pub fn on_channel(channel: Channel, bearer: Bearer, call_timeout: Duration) -> Self {
+        Self {
+            inner: WorkflowServiceClient::with_interceptor(channel, bearer),
+            timeout: call_timeout,
+        }
     }
 
     /// A unary call's request, bounded by the call timeout (streams are not: they last as

@@ -28,10 +28,8 @@ use tokio_util::sync::CancellationToken;
 use tonic::transport::Channel;
 use z29c_core::{Action, ProductState};
 use z29c_proto::v1 as pb;
-use z29c_proto::v1::review_service_client::ReviewServiceClient;
-use z29c_proto::v1::workflow_service_client::WorkflowServiceClient;
 use z29c_runtime::https::{HttpsConfig, Incoming};
-use z29c_security::{Authed, Bearer, Caller, TlsConfig};
+use z29c_security::{Caller, TlsConfig};
 
 use crate::session::{Refusal, Sessions};
 
@@ -103,15 +101,19 @@ struct App {
     http: reqwest::Client,
 }
 
-type Clients = (WorkflowServiceClient<Authed>, ReviewServiceClient<Authed>);
+/// The console's calls, through the client library, as the signed-in person.
+type Clients = (z29c_client::Client, z29c_client::Reviews);
+
+/// Each call the console makes on a person's behalf ends within this.
+const CALL_TIMEOUT: Duration = Duration::from_secs(10);
 
 impl App {
-    /// Clients carrying the signed-in person's token.
+    /// Clients carrying the signed-in person's token, on the console's own channels.
     fn clients(&self, jar: &CookieJar) -> Result<Clients, ApiError> {
         let (_, bearer) = self.sessions.caller(jar)?;
         Ok((
-            WorkflowServiceClient::with_interceptor(self.workflows.clone(), bearer.clone()),
-            ReviewServiceClient::with_interceptor(self.reviews.clone(), bearer),
+            z29c_client::Client::on_channel(self.workflows.clone(), bearer.clone(), CALL_TIMEOUT),
+            z29c_client::Reviews::on_channel(self.reviews.clone(), bearer, CALL_TIMEOUT),
         ))
     }
 }
@@ -132,22 +134,6 @@ fn channels(
     Ok((
         lazy(workflow_server, "workflow_server")?,
         lazy(review_server, "review_server")?,
-    ))
-}
-
-/// The gRPC clients the console and `z29c review` read through, carrying `bearer`.
-/// Connections are lazy: the console starts while a service is still down and says so per
-/// request.
-pub fn clients(
-    workflow_server: &str,
-    review_server: &str,
-    tls: &TlsConfig,
-    bearer: Bearer,
-) -> anyhow::Result<Clients> {
-    let (w, r) = channels(workflow_server, review_server, tls)?;
-    Ok((
-        WorkflowServiceClient::with_interceptor(w, bearer.clone()),
-        ReviewServiceClient::with_interceptor(r, bearer),
     ))
 }
 
@@ -312,6 +298,12 @@ impl From<tonic::Status> for ApiError {
     }
 }
 
+impl From<z29c_client::Error> for ApiError {
+    fn from(e: z29c_client::Error) -> Self {
+        Self(tonic::Status::new(e.code(), e.message()))
+    }
+}
+
 impl From<Refusal> for ApiError {
     fn from(r: Refusal) -> Self {
         Self(match r {
@@ -432,6 +424,16 @@ impl ListFilter {
         Ok(f)
     }
 
+    /// The filter as the client library takes it.
+    fn for_client(&self) -> z29c_client::ListFilter {
+        z29c_client::ListFilter {
+            states: self.states.iter().map(|p| view::wire(*p)).collect(),
+            name: Some(self.name.clone()).filter(|n| !n.is_empty()),
+            search: Some(self.search.clone()).filter(|s| !s.is_empty()),
+        }
+    }
+
+    #[cfg(test)]
     fn request(&self) -> pb::ListRequest {
         pb::ListRequest {
             page_size: self.page_size,
@@ -467,16 +469,22 @@ async fn list_workflows(
     RawQuery(query): RawQuery,
 ) -> Result<Json<WorkflowPage>, ApiError> {
     let filter = ListFilter::parse(query.as_deref().unwrap_or(""))?;
-    let (mut workflows, _) = app.clients(&jar)?;
-    let list = workflows.list(filter.request()).await?.into_inner();
+    let (workflows, _) = app.clients(&jar)?;
+    let page = workflows
+        .list(
+            &filter.for_client(),
+            filter.page_size,
+            Some(filter.page_token.as_str()).filter(|t| !t.is_empty()),
+        )
+        .await?;
     Ok(Json(WorkflowPage {
-        workflows: list
+        workflows: page
             .workflows
             .iter()
             .map(view::row)
             .filter(|r| filter.admits(r))
             .collect(),
-        next_page_token: list.next_page_token,
+        next_page_token: page.next_page_token.unwrap_or_default(),
     }))
 }
 
@@ -485,11 +493,8 @@ async fn workflow(
     jar: CookieJar,
     Path(id): Path<String>,
 ) -> Result<Json<view::WorkflowView>, ApiError> {
-    let (mut workflows, _) = app.clients(&jar)?;
-    let w = workflows
-        .get(pb::GetRequest { workflow_id: id })
-        .await?
-        .into_inner();
+    let (workflows, _) = app.clients(&jar)?;
+    let w = workflows.get(&id).await?;
     Ok(Json(view::workflow(&w)))
 }
 
@@ -510,7 +515,7 @@ async fn cancel(
     Json(form): Json<CancelForm>,
 ) -> Result<Json<view::WorkflowView>, ApiError> {
     app.sessions.check_forgery(&jar, &headers)?;
-    let (mut workflows, _) = app.clients(&jar)?;
+    let (workflows, _) = app.clients(&jar)?;
     let reason = form.reason.trim();
     if reason.is_empty() {
         return Err(invalid(
@@ -518,13 +523,7 @@ async fn cancel(
             "say why the workflow is cancelled: the people who follow it read this",
         ));
     }
-    let w = workflows
-        .cancel(pb::CancelRequest {
-            workflow_id: id,
-            reason: reason.to_owned(),
-        })
-        .await?
-        .into_inner();
+    let w = workflows.cancel(&id, reason).await?;
     Ok(Json(view::workflow(&w)))
 }
 
@@ -532,28 +531,14 @@ async fn cancel(
 /// state and everything z29c holds about its step: what the console's queue and `z29c review`
 /// both show.
 pub async fn review_queue(
-    workflows: &mut WorkflowServiceClient<Authed>,
-    reviews: &mut ReviewServiceClient<Authed>,
+    workflows: &z29c_client::Client,
+    reviews: &z29c_client::Reviews,
     include_resolved: bool,
-) -> Result<Vec<view::ReviewView>, tonic::Status> {
-    let items = reviews
-        .list(pb::ListReviewsRequest {
-            include_resolved,
-            page_size: 500,
-            page_token: String::new(),
-        })
-        .await?
-        .into_inner()
-        .items;
+) -> Result<Vec<view::ReviewView>, z29c_client::Error> {
+    let items = reviews.list(include_resolved).await?;
     let mut out = Vec::with_capacity(items.len());
     for item in &items {
-        let w = workflows
-            .get(pb::GetRequest {
-                workflow_id: item.workflow_id.clone(),
-            })
-            .await
-            .ok()
-            .map(tonic::Response::into_inner);
+        let w = workflows.get(&item.workflow_id).await.ok();
         out.push(view::review(item, w.as_ref()));
     }
     Ok(out)
@@ -563,10 +548,8 @@ async fn open_review_items(
     State(app): State<App>,
     jar: CookieJar,
 ) -> Result<Json<Vec<view::ReviewView>>, ApiError> {
-    let (mut workflows, mut reviews) = app.clients(&jar)?;
-    Ok(Json(
-        review_queue(&mut workflows, &mut reviews, false).await?,
-    ))
+    let (workflows, reviews) = app.clients(&jar)?;
+    Ok(Json(review_queue(&workflows, &reviews, false).await?))
 }
 
 /// The resolve form's fields.
@@ -642,21 +625,24 @@ async fn resolve(
     Json(form): Json<ResolveForm>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     app.sessions.check_forgery(&jar, &headers)?;
-    let (_, mut reviews) = app.clients(&jar)?;
+    let (_, reviews) = app.clients(&jar)?;
     let expected_version = form
         .expected_version
         .ok_or_else(|| invalid("expected_version", "required"))?;
     let (resolution, result_json) = form.decision()?;
+    let resolution = match resolution {
+        pb::resolve_request::Resolution::SucceededExternalReference(external_reference) => {
+            z29c_client::Resolution::Succeeded {
+                external_reference,
+                result_json: Some(result_json).filter(|r| !r.is_empty()),
+            }
+        }
+        pb::resolve_request::Resolution::Failed(_) => z29c_client::Resolution::Failed,
+        pb::resolve_request::Resolution::RetrySameIdentity(_) => z29c_client::Resolution::Retry,
+    };
     let item = reviews
-        .resolve(pb::ResolveRequest {
-            item_id: id,
-            expected_version,
-            reason: form.reason,
-            resolution: Some(resolution),
-            result_json,
-        })
-        .await?
-        .into_inner();
+        .resolve(&id, expected_version, resolution, &form.reason)
+        .await?;
     Ok(Json(serde_json::json!({
         "id": item.id,
         "state": item.state,
