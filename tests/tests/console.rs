@@ -650,7 +650,7 @@ async fn the_console_filters_searches_and_pages_workflows_cancels_for_operators_
     let (status, body) = viewer.post(&cancel, &why).await?;
     assert_eq!(status, StatusCode::FORBIDDEN, "{body}");
     assert!(
-        body["code"] == "PermissionDenied"
+        body["code"] == "PERMISSION_DENIED"
             && body["error"]
                 .as_str()
                 .is_some_and(|e| e.contains("operator")),

@@ -324,9 +324,13 @@ impl Gateway {
                     .await);
             }
             Some(persisted) => {
-                if let Some(field) =
-                    persisted.differs_from(identity.as_str(), &input, &req.adapter, &req.operation)
-                {
+                if let Some(field) = persisted.differs_from(
+                    identity.as_str(),
+                    &input,
+                    &req.input_digest,
+                    &req.adapter,
+                    &req.operation,
+                ) {
                     return Err(self
                         .refuse(
                             peer,

@@ -300,7 +300,13 @@ impl From<tonic::Status> for ApiError {
 
 impl From<z29c_client::Error> for ApiError {
     fn from(e: z29c_client::Error) -> Self {
-        Self(tonic::Status::new(e.code(), e.message()))
+        // a server's refusal in its own words; otherwise (unreachable, a broken answer) the
+        // client's account of what went wrong
+        let said = match e.message() {
+            "" => e.to_string(),
+            message => message.to_owned(),
+        };
+        Self(tonic::Status::new(e.code(), said))
     }
 }
 
@@ -326,7 +332,7 @@ impl IntoResponse for ApiError {
             _ => StatusCode::BAD_GATEWAY,
         };
         let body = serde_json::json!({
-            "code": format!("{:?}", self.0.code()),
+            "code": z29c_runtime::grpc_code_name(self.0.code()),
             "error": self.0.message(),
         });
         (status, Json(body)).into_response()

@@ -18,6 +18,31 @@ use serde::de::DeserializeOwned;
 use tokio_util::sync::CancellationToken;
 use z29c_store::StoreError;
 
+/// A gRPC code's name as gRPC spells it (`INVALID_ARGUMENT`), so an answer reads the same
+/// through the HTTP API, the console and gRPC.
+pub fn grpc_code_name(code: tonic::Code) -> &'static str {
+    use tonic::Code;
+    match code {
+        Code::Ok => "OK",
+        Code::Cancelled => "CANCELLED",
+        Code::Unknown => "UNKNOWN",
+        Code::InvalidArgument => "INVALID_ARGUMENT",
+        Code::DeadlineExceeded => "DEADLINE_EXCEEDED",
+        Code::NotFound => "NOT_FOUND",
+        Code::AlreadyExists => "ALREADY_EXISTS",
+        Code::PermissionDenied => "PERMISSION_DENIED",
+        Code::ResourceExhausted => "RESOURCE_EXHAUSTED",
+        Code::FailedPrecondition => "FAILED_PRECONDITION",
+        Code::Aborted => "ABORTED",
+        Code::OutOfRange => "OUT_OF_RANGE",
+        Code::Unimplemented => "UNIMPLEMENTED",
+        Code::Internal => "INTERNAL",
+        Code::Unavailable => "UNAVAILABLE",
+        Code::DataLoss => "DATA_LOSS",
+        Code::Unauthenticated => "UNAUTHENTICATED",
+    }
+}
+
 /// The whole `main` of a service binary: `--config FILE` and `--dump-config` from the command
 /// line, configuration layered as [`load_config`] does, tracing, signals, then `run`.
 pub fn service_main<C, F, Fut>(name: &str, run: F) -> anyhow::Result<()>

@@ -43,8 +43,10 @@ pub struct PoisonMessage {
     pub payload: Vec<u8>,
 }
 
+/// At most `max` characters of `s`, without control characters (PostgreSQL refuses a NUL in
+/// text, and an audit row must never be why a change fails).
 fn clip(s: &str, max: usize) -> String {
-    s.chars().take(max).collect()
+    s.chars().filter(|c| !c.is_control()).take(max).collect()
 }
 
 impl AuditEntry {

@@ -172,11 +172,15 @@ pub struct AttemptRequest {
 }
 
 impl AttemptRequest {
-    /// The first part of a caller's request that is not this attempt's, named, if any.
+    /// The first part of a caller's request that is not this attempt's, named, if any. The
+    /// input is compared as the value PostgreSQL holds (which the claim handed its executor),
+    /// and its digest as stored: hashing the input again here would not reproduce a digest
+    /// taken before PostgreSQL normalised it (`1e16` comes back as `10000000000000000`).
     pub fn differs_from(
         &self,
         identity: &str,
         input: &Value,
+        input_digest: &str,
         adapter: &str,
         operation: &str,
     ) -> Option<&'static str> {
@@ -186,7 +190,9 @@ impl AttemptRequest {
             Some("adapter")
         } else if self.operation != operation {
             Some("operation")
-        } else if self.input_digest != InputDigest::of_json(input).as_str() {
+        } else if self.input_digest != input_digest {
+            Some("input_digest")
+        } else if self.input != *input {
             Some("input_json")
         } else {
             None
