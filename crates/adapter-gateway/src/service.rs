@@ -313,15 +313,15 @@ impl Gateway {
             .map_err(status_from_store)?
         {
             None => {
-                return Err(self
-                    .refuse(
-                        peer,
-                        &format!(
-                            "attempt_id: step {} has no attempt {}",
-                            claim.step, claim.attempt
-                        ),
-                    )
-                    .await);
+                // a claim PostgreSQL never kept (lost in a crash) or made up: the lease is
+                // not current, which the caller is told as the fence would tell it, so an
+                // executor stops; the refusal is audited all the same
+                let why = format!(
+                    "attempt_id: step {} has no attempt {}",
+                    claim.step, claim.attempt
+                );
+                let _ = self.refuse(peer, &why).await;
+                return Ok(not_begun(adapter, FenceReason::NotCurrentAttempt));
             }
             Some(persisted) => {
                 if let Some(field) = persisted.differs_from(
