@@ -456,7 +456,7 @@ async fn the_console_asks_for_sign_in_and_refuses_forged_forms() -> Result<()> {
     assert_eq!(r.status(), 403);
     let body = r.text().await?;
     assert!(
-        body.contains("PermissionDenied") && body.contains("resolver"),
+        body.contains("PERMISSION_DENIED") && body.contains("resolver"),
         "{body}"
     );
     // the service, not the console, decided: it audited the viewer's attempt
