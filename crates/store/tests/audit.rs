@@ -10,11 +10,9 @@ mod common;
 
 use chrono::{DateTime, Utc};
 use common::*;
-use serde_json::json;
 use sqlx::PgPool;
-use z29c_core::{AdapterCapability, RecoveryDecision, WorkflowId, classify};
+use z29c_core::WorkflowId;
 use z29c_store::audit::{AuditEntry, PoisonMessage};
-use z29c_store::recovery::DecisionRecord;
 use z29c_store::review::Resolution;
 use z29c_store::submissions::SubmissionBatches;
 use z29c_store::workflows::{Prepared, SubmitLimits};
@@ -225,22 +223,7 @@ async fn a_resolution_and_its_audit_row_commit_together(pool: PgPool) {
     let store = Store::from_pool(pool.clone());
     let c = claimed_single(&store, "r1", "worker-a").await;
     invoke(&store, &c).await;
-    let rec = take_over(&store, &pool, &c).await;
-    let (category, decision) = classify(&rec.snapshot.evidence(AdapterCapability::Opaque));
-    assert_eq!(decision, RecoveryDecision::HumanReview);
-    store
-        .record_decision(
-            &rec.lease,
-            &DecisionRecord {
-                category,
-                decision,
-                capability: AdapterCapability::Opaque,
-                detail: json!({}),
-            },
-        )
-        .await
-        .unwrap();
-    let item = store.review_items(false, 10).await.unwrap().remove(0);
+    let item = sent_to_review(&store, &pool, &c).await;
     let rita = AuditEntry {
         service: "z29c.v1.ReviewService".into(),
         ..allowed("Resolve", "resolve", "rita")

@@ -349,8 +349,6 @@ async fn a_list_filters_by_state_name_and_search_and_pages(pool: PgPool) {
 /// what that result holds.
 #[sqlx::test(migrator = "MIGRATOR")]
 async fn a_review_resolved_with_the_result_found_feeds_the_dependent(pool: PgPool) {
-    use z29c_core::{AdapterCapability, RecoveryDecision, classify};
-    use z29c_store::recovery::DecisionRecord;
     use z29c_store::review::Resolution;
     let store = Store::from_pool(pool.clone());
     let mut charge = step("charge", &["reserve"]);
@@ -362,22 +360,7 @@ async fn a_review_resolved_with_the_result_found_feeds_the_dependent(pool: PgPoo
     .await;
     let reserve = claim_one(&store).await;
     invoke(&store, &reserve).await;
-    let rec = take_over(&store, &pool, &reserve).await;
-    let (category, decision) = classify(&rec.snapshot.evidence(AdapterCapability::Opaque));
-    assert_eq!(decision, RecoveryDecision::HumanReview);
-    store
-        .record_decision(
-            &rec.lease,
-            &DecisionRecord {
-                category,
-                decision,
-                capability: AdapterCapability::Opaque,
-                detail: json!({}),
-            },
-        )
-        .await
-        .unwrap();
-    let item = store.review_items(false, 10).await.unwrap()[0].clone();
+    let item = sent_to_review(&store, &pool, &reserve).await;
     let succeeded = Resolution::Succeeded(ExternalReference::parse("res_9").unwrap());
     match store
         .resolve_review(item.id, item.version, "alice", "found it", &succeeded)

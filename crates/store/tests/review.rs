@@ -4,12 +4,8 @@
 mod common;
 
 use common::*;
-use serde_json::json;
 use sqlx::PgPool;
-use z29c_core::{
-    AdapterCapability, ExternalReference, RecoveryDecision, StepState, WorkflowState, classify,
-};
-use z29c_store::recovery::DecisionRecord;
+use z29c_core::{ExternalReference, StepState, WorkflowState};
 use z29c_store::review::Resolution;
 use z29c_store::{MIGRATOR, Store, StoreError};
 
@@ -17,25 +13,8 @@ use z29c_store::{MIGRATOR, Store, StoreError};
 async fn in_review(store: &Store, pool: &PgPool) -> (z29c_store::leases::ClaimedStep, uuid::Uuid) {
     let c = claimed_single(store, "k1", "worker-a").await;
     invoke(store, &c).await;
-    let rec = take_over(store, pool, &c).await;
-    let evidence = rec.snapshot.evidence(AdapterCapability::Opaque);
-    let (category, decision) = classify(&evidence);
-    assert_eq!(decision, RecoveryDecision::HumanReview);
-    store
-        .record_decision(
-            &rec.lease,
-            &DecisionRecord {
-                category,
-                decision,
-                capability: AdapterCapability::Opaque,
-                detail: json!({}),
-            },
-        )
-        .await
-        .unwrap();
-    let items = store.review_items(false, 10).await.unwrap();
-    assert_eq!(items.len(), 1);
-    (c, items[0].id)
+    let item = sent_to_review(store, pool, &c).await;
+    (c, item.id)
 }
 
 #[sqlx::test(migrator = "MIGRATOR")]

@@ -145,3 +145,32 @@ pub async fn batch_store(pool: &PgPool) -> Store {
         .unwrap();
     Store::from_pool(pool)
 }
+
+/// Lets the invoked step `c`'s lease lapse and records recovery's decision for an opaque
+/// adapter, which is review; returns the review item opened.
+pub async fn sent_to_review(
+    store: &Store,
+    pool: &PgPool,
+    c: &ClaimedStep,
+) -> z29c_store::review::ReviewItem {
+    use z29c_core::{AdapterCapability, RecoveryDecision, classify};
+    use z29c_store::recovery::DecisionRecord;
+    let rec = take_over(store, pool, c).await;
+    let (category, decision) = classify(&rec.snapshot.evidence(AdapterCapability::Opaque));
+    assert_eq!(decision, RecoveryDecision::HumanReview);
+    store
+        .record_decision(
+            &rec.lease,
+            &DecisionRecord {
+                category,
+                decision,
+                capability: AdapterCapability::Opaque,
+                detail: json!({}),
+            },
+        )
+        .await
+        .unwrap();
+    let mut items = store.review_items(false, 10).await.unwrap();
+    assert_eq!(items.len(), 1, "one step in review");
+    items.remove(0)
+}
