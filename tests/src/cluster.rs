@@ -7,7 +7,9 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
+use backon::Retryable;
 use tokio::process::{Child, Command};
+use z29c_core::identity::ServiceRole;
 use z29c_proto::v1::review_service_client::ReviewServiceClient;
 use z29c_proto::v1::workflow_service_client::WorkflowServiceClient;
 use z29c_proto::v1::{self as pb};
@@ -15,6 +17,7 @@ use z29c_security::pki::DevPki;
 use z29c_security::{Authed, Bearer, TlsConfig};
 
 use crate::TestDatabase;
+use crate::infra::PrivateNats;
 
 /// The `z29c` binary built alongside the tests (`target/<profile>/z29c`).
 pub fn z29c_binary() -> Result<PathBuf> {
@@ -43,7 +46,19 @@ pub fn nats_url() -> String {
     std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into())
 }
 
-fn free_port() -> Result<u16> {
+/// A loopback port nobody listens on now, for a process about to bind it. Drawn at random
+/// below the kernel's ephemeral range (32768 and up), which `bind(…:0)` elsewhere (the
+/// throwaway servers, other tests' listeners) hands out in order: a port taken from there
+/// could be handed to another listener before this process binds it.
+pub fn free_port() -> Result<u16> {
+    use rand::Rng;
+    let mut rng = rand::rng();
+    for _ in 0..200 {
+        let port = rng.random_range(20_000..32_000);
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return Ok(port);
+        }
+    }
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?
         .local_addr()?
         .port())
@@ -141,16 +156,24 @@ pub struct Cluster {
     env: Vec<(String, String)>,
     /// The throwaway CA and token secret of a secure cluster.
     pub security: Option<ClusterSecurity>,
+    /// A secure cluster's own NATS server, with a user per service role.
+    nats: Option<PrivateNats>,
+    /// The database URL services use when they connect with least privilege.
+    service_db_url: Option<String>,
 }
 
-/// What a secure cluster's processes trust: one CA (members `services` and `operator`), a
-/// second, foreign CA (member `impostor`) for certificates nobody trusts, and the secret
-/// operator tokens are signed with.
+/// What a secure cluster's processes trust: one CA with a certificate per role (each
+/// process presents its own role's), a second, foreign CA (members `impostor`, and `executor`
+/// claiming that role) for certificates nobody trusts, and the secret operator tokens are
+/// signed with.
 #[derive(Debug, Clone)]
 pub struct ClusterSecurity {
     pub pki: DevPki,
     pub foreign: DevPki,
     pub secret: String,
+    /// Where each service role's NATS key is (`<role>.nk`), when the cluster runs its own
+    /// NATS with users.
+    pub nats_keys: Option<PathBuf>,
 }
 
 /// Which processes a cluster runs.
@@ -172,6 +195,12 @@ pub struct Topology {
     pub env: Vec<(String, String)>,
     /// Mutual TLS between every process and operator tokens required, as in production.
     pub secure: bool,
+    /// Services connect as a login role in `z29c_service` (rows only), as in production,
+    /// and do not migrate.
+    pub least_privilege: bool,
+    /// Length of the retention periods made before anything starts, as a recovery that had
+    /// run already would have made them (a day, recovery's default).
+    pub retention_period: Duration,
 }
 
 impl Default for Topology {
@@ -187,6 +216,8 @@ impl Default for Topology {
             postgres_admin_url: None,
             env: Vec::new(),
             secure: false,
+            least_privilege: false,
+            retention_period: Duration::from_secs(24 * 60 * 60),
         }
     }
 }
@@ -242,9 +273,11 @@ impl Cluster {
             postgres_admin_url,
             mut env,
             secure,
+            least_privilege,
+            retention_period,
         } = t;
         let bin = z29c_binary()?;
-        let db = match &postgres_admin_url {
+        let mut db = match &postgres_admin_url {
             Some(url) => TestDatabase::create_on(url).await?,
             None => TestDatabase::create().await?,
         };
@@ -265,18 +298,22 @@ impl Cluster {
                 ),
             );
         }
+        let (mut private_nats, mut nats_keys) = (None, None);
         let security = if secure {
-            let pki = DevPki::generate(&dir.join("pki"), &["services", "operator"])?;
-            let foreign = DevPki::generate(&dir.join("foreign"), &["impostor"])?;
+            let roles: Vec<&str> = ServiceRole::ALL.iter().map(|r| r.as_str()).collect();
+            let pki = DevPki::generate(&dir.join("pki"), &roles)?;
+            let foreign = DevPki::generate(&dir.join("foreign"), &["impostor", "executor"])?;
             let secret = z29c_security::token::random_secret();
-            let tls = pki.tls("services");
-            for (k, v) in [
-                ("Z29C_TLS__CA_FILE", tls.ca_file),
-                ("Z29C_TLS__CERT_FILE", tls.cert_file),
-                ("Z29C_TLS__KEY_FILE", tls.key_file),
-            ] {
-                let v = v.context("pki file")?;
-                env.push((k.into(), v.to_string_lossy().into_owned()));
+            // a NATS of its own, with a user per role, unless the scenario brings one
+            if nats.is_none() {
+                let keys = dir.join("nats-keys");
+                let names = z29c_bus::Names::new(&prefix)?;
+                let conf =
+                    z29c_bus::auth::write_keys(&keys, &names, &z29c_bus::auth::NATS_ROLES, false)?;
+                private_nats = Some(
+                    PrivateNats::start_with_config(Some(&std::fs::read_to_string(conf)?)).await?,
+                );
+                nats_keys = Some(keys);
             }
             env.push(("Z29C_AUTH__ENABLED".into(), "true".into()));
             env.push(("Z29C_AUTH__HS256_SECRETS".into(), format!("[{secret}]")));
@@ -284,13 +321,20 @@ impl Cluster {
                 pki,
                 foreign,
                 secret,
+                nats_keys: nats_keys.clone(),
             })
         } else {
             None
         };
         let scheme = if secure { "https" } else { "http" };
-        // migrate once before anything starts
-        db.store().await?;
+        // migrate once before anything starts, and make the first periods
+        db.store().await?.cover_ahead(retention_period).await?;
+        let service_db_url = if least_privilege {
+            env.push(("Z29C_MIGRATE".into(), "false".into()));
+            Some(db.service_url().await?)
+        } else {
+            None
+        };
         let destination_db = TestDatabase::create().await?;
         let destination_port = free_port()?;
         let mut cluster = Self {
@@ -313,9 +357,13 @@ impl Cluster {
             recoveries: 0,
             capability,
             executor_stall_ms,
-            nats_url: nats.unwrap_or_else(nats_url),
+            nats_url: nats
+                .or_else(|| private_nats.as_ref().map(PrivateNats::url))
+                .unwrap_or_else(nats_url),
             env,
             security,
+            nats: private_nats,
+            service_db_url,
         };
         let dest = cluster.spawn(
             "destination",
@@ -359,7 +407,10 @@ impl Cluster {
         let log = std::fs::File::create(self.dir.join(format!("{name}.log")))?;
         let mut cmd = Command::new(&self.bin);
         cmd.args(args)
-            .env("Z29C_DATABASE_URL", self.db.url())
+            .env(
+                "Z29C_DATABASE_URL",
+                self.service_db_url.as_deref().unwrap_or(self.db.url()),
+            )
             .env("Z29C_NATS_URL", &self.nats_url)
             .env("Z29C_PREFIX", &self.prefix)
             .env("RUST_LOG", "info")
@@ -368,6 +419,27 @@ impl Cluster {
             .kill_on_drop(true);
         for (k, v) in &self.env {
             cmd.env(k, v);
+        }
+        // in a secure cluster each service presents the certificate of its own role, and
+        // its role's key to NATS
+        let role = args.first().and_then(|a| a.parse::<ServiceRole>().ok());
+        if let (Some(security), Some(role)) = (&self.security, role) {
+            if let Some(keys) = &security.nats_keys
+                && z29c_bus::auth::NATS_ROLES.contains(&role)
+            {
+                cmd.env(
+                    "Z29C_NATS_AUTH__NKEY_FILE",
+                    z29c_bus::auth::seed_path(keys, role),
+                );
+            }
+            let tls = security.pki.tls(role.as_str());
+            for (k, v) in [
+                ("Z29C_TLS__CA_FILE", tls.ca_file),
+                ("Z29C_TLS__CERT_FILE", tls.cert_file),
+                ("Z29C_TLS__KEY_FILE", tls.key_file),
+            ] {
+                cmd.env(k, v.context("pki file")?);
+            }
         }
         for (k, v) in env {
             cmd.env(k, v);
@@ -452,6 +524,44 @@ impl Cluster {
         self.destination_db.pool(2).await
     }
 
+    /// Requests the destination received, by its own records.
+    pub async fn requests_received(&self) -> Result<i64> {
+        let ledger = self.ledger_pool().await?;
+        let n = crate::count_rows(&ledger, "destination.requests").await?;
+        ledger.close().await;
+        Ok(n)
+    }
+
+    /// Submits a one-step workflow on `route` as an operator and claims its step as
+    /// `executor-test` on `pool`, as an executor would: for tests that make the executor's
+    /// call to a gateway themselves ([`invoke_request`]).
+    pub async fn claimed_by_test(
+        &self,
+        pool: &sqlx::PgPool,
+        key: &str,
+        route: &str,
+    ) -> Result<z29c_store::leases::ClaimedStep> {
+        let token = self.token("olga", &[z29c_core::Role::Operator])?;
+        let mut client = self.client_with(&self.operator_tls(), Some(&token)).await?;
+        let mut req = chain(key, route, 1);
+        // a policy whose calls fit any gateway's cap in these tests
+        req.steps[0].policy = Some(crate::matrix::policy());
+        client.submit(req).await?;
+        let store = z29c_store::Store::from_pool(pool.clone());
+        let owner = z29c_core::OwnerId::parse("executor-test")?;
+        let start = Instant::now();
+        loop {
+            if let Some(c) = store.claim(&owner, 1).await?.pop() {
+                return Ok(c);
+            }
+            anyhow::ensure!(
+                start.elapsed() < Duration::from_secs(30),
+                "nothing to claim"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
     /// Starts one more gateway with extra environment. It serves the adapter `http` with the
     /// topology's capability, and `http-idempotent`, `http-queryable` and `http-opaque`, for
     /// runs that mix capabilities; each adapter calls the destination's routes of its own
@@ -507,8 +617,33 @@ impl Cluster {
 
     /// The ids of the gateways in the registry now.
     pub async fn registered_gateways(&self) -> Result<Vec<String>> {
-        let bus = z29c_bus::Bus::connect(&self.nats_url, &self.prefix).await?;
+        let bus = self.bus_as(ServiceRole::Recovery).await?;
         Ok(bus.gateways().await?.into_iter().map(|g| g.id).collect())
+    }
+
+    /// A connection to this cluster's NATS as the service `role` would make it (with its key
+    /// when the cluster's NATS has users).
+    pub async fn bus_as(&self, role: ServiceRole) -> Result<z29c_bus::Bus> {
+        let auth = z29c_bus::auth::NatsAuth {
+            nkey_file: self
+                .security
+                .as_ref()
+                .and_then(|s| s.nats_keys.as_ref())
+                .map(|keys| z29c_bus::auth::seed_path(keys, role)),
+        };
+        Ok(z29c_bus::Bus::connect_as(
+            &self.nats_url,
+            &self.prefix,
+            &TlsConfig::default(),
+            Some(role),
+            &auth,
+        )
+        .await?)
+    }
+
+    /// What the cluster's own NATS server logged (empty when it uses a shared one).
+    pub fn nats_log(&self) -> String {
+        self.nats.as_ref().map(PrivateNats::log).unwrap_or_default()
     }
 
     /// Waits until gateway `id` is in the registry, from when work for its adapters is
@@ -603,7 +738,7 @@ impl Cluster {
         self.add_console_with(metrics, false).await
     }
 
-    /// [`Self::add_console`]; with `https`, serving HTTPS with the cluster's `services`
+    /// [`Self::add_console`]; with `https`, serving HTTPS with the cluster's `console`
     /// certificate (a secure cluster's only), no client certificate asked of browsers.
     pub async fn add_console_with(&mut self, metrics: &[String], https: bool) -> Result<String> {
         let port = free_port()?;
@@ -627,7 +762,7 @@ impl Cluster {
                 .as_ref()
                 .context("https needs a secure cluster")?
                 .pki
-                .tls("services");
+                .tls(ServiceRole::Console.as_str());
             let (cert, key) = (tls.cert_file.context("cert")?, tls.key_file.context("key")?);
             toml.push_str(&format!(
                 "[https]\ncert_file = \"{}\"\nkey_file = \"{}\"\n",
@@ -730,9 +865,14 @@ impl Cluster {
 
     /// The operator's certificate in a secure cluster (none otherwise).
     pub fn operator_tls(&self) -> TlsConfig {
+        self.role_tls(ServiceRole::Operator)
+    }
+
+    /// The certificate of `role` in a secure cluster (none otherwise).
+    pub fn role_tls(&self, role: ServiceRole) -> TlsConfig {
         self.security
             .as_ref()
-            .map(|s| s.pki.tls("operator"))
+            .map(|s| s.pki.tls(role.as_str()))
             .unwrap_or_default()
     }
 
@@ -745,17 +885,32 @@ impl Cluster {
             .await?)
     }
 
-    /// What a person is told about workflow `id` (its product state), as `Get` answers.
+    /// What a person is told about workflow `id` (its product state), as `Get` answers. A
+    /// scheduler that answers `UNAVAILABLE` (its database busy or away for a moment) is asked
+    /// again, with backoff, as `z29c-client` does.
     pub async fn product_state(&self, id: &str) -> Result<pb::ProductState> {
-        Ok(self
-            .client()
-            .await?
-            .get(pb::GetRequest {
-                workflow_id: id.to_owned(),
-            })
-            .await?
-            .into_inner()
-            .state())
+        let client = self.client().await?;
+        let ask = || {
+            let mut client = client.clone();
+            async move {
+                client
+                    .get(pb::GetRequest {
+                        workflow_id: id.to_owned(),
+                    })
+                    .await
+            }
+        };
+        let answer = ask
+            .retry(
+                backon::ExponentialBuilder::default()
+                    .with_min_delay(Duration::from_millis(200))
+                    .with_max_delay(Duration::from_secs(2))
+                    .with_total_delay(Some(Duration::from_secs(60)))
+                    .without_max_times(),
+            )
+            .when(|s| s.code() == tonic::Code::Unavailable)
+            .await?;
+        Ok(answer.into_inner().state())
     }
 
     /// `WorkflowService` as the operator: with every role's token in a secure cluster.
@@ -938,6 +1093,31 @@ impl Cluster {
         Ok(())
     }
 
+    /// Every line of every process's log, each after its file's name.
+    pub fn log_lines(&self) -> Vec<String> {
+        let Ok(entries) = std::fs::read_dir(&self.dir) else {
+            return Vec::new();
+        };
+        let mut files: Vec<_> = entries.flatten().map(|e| e.path()).collect();
+        files.sort();
+        files
+            .iter()
+            .filter(|p| p.extension().is_some_and(|e| e == "log"))
+            .flat_map(|path| {
+                let name = path
+                    .file_name()
+                    .unwrap_or_default()
+                    .to_string_lossy()
+                    .into_owned();
+                std::fs::read_to_string(path)
+                    .unwrap_or_default()
+                    .lines()
+                    .map(|l| format!("{name}: {l}"))
+                    .collect::<Vec<_>>()
+            })
+            .collect()
+    }
+
     /// The last warnings and errors of every process's log, for a failure message.
     pub fn log_warnings(&self) -> String {
         let mut out = format!("logs in {}:\n", self.dir.display());
@@ -973,14 +1153,21 @@ impl Cluster {
             mut processes,
             dir,
             nats_url,
+            nats,
             ..
         } = self;
         for p in &mut processes {
             let _ = p.signal("-KILL");
             let _ = p.child.wait().await;
         }
-        if let Ok(bus) = z29c_bus::Bus::connect(&nats_url, &prefix).await {
-            let _ = bus.delete_stream().await;
+        match nats {
+            // its own server goes, streams and all
+            Some(server) => server.stop().await,
+            None => {
+                if let Ok(bus) = z29c_bus::Bus::connect(&nats_url, &prefix).await {
+                    let _ = bus.delete_stream().await;
+                }
+            }
         }
         let _ = std::fs::remove_dir_all(&dir);
         let dropped = destination_db.drop_now().await;
@@ -1032,6 +1219,22 @@ pub fn flaky_workflow(key: &str) -> pb::SubmitRequest {
         ..Default::default()
     });
     req
+}
+
+/// The call an executor makes to a gateway for the claimed step `c`.
+pub fn invoke_request(c: &z29c_store::leases::ClaimedStep) -> pb::InvokeRequest {
+    pb::InvokeRequest {
+        adapter: c.adapter.clone(),
+        operation: c.operation.clone(),
+        request_identity: c.request_identity.as_str().to_owned(),
+        input_json: c.input.to_string(),
+        input_digest: c.input_digest.as_str().to_owned(),
+        workflow_id: c.workflow.to_string(),
+        step_id: c.lease.step.to_string(),
+        attempt_id: c.lease.attempt.to_string(),
+        lease_version: c.lease.version.get(),
+        lease_owner: c.lease.owner.as_str().to_owned(),
+    }
 }
 
 /// A workflow of `steps` chained steps on `route`. Each step's input names it

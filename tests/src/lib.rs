@@ -92,6 +92,8 @@ pub struct TestDatabase {
     admin: PgConnectOptions,
     name: String,
     url: String,
+    /// A login role in `z29c_service` made for this database, dropped with it.
+    service_role: Option<String>,
 }
 
 impl TestDatabase {
@@ -109,7 +111,37 @@ impl TestDatabase {
             .execute(&mut conn)
             .await?;
         let url = admin.clone().database(&name).to_url_lossy().to_string();
-        Ok(Self { admin, name, url })
+        Ok(Self {
+            admin,
+            name,
+            url,
+            service_role: None,
+        })
+    }
+
+    /// This database's URL for a login role in `z29c_service`, the role services connect as
+    /// in production (rows only: no DDL, no TRUNCATE, no trigger changes). The role is made
+    /// once, after the migrations that create `z29c_service`, and dropped with the database.
+    pub async fn service_url(&mut self) -> Result<String> {
+        let role = format!("z29c_svc_{}", &self.name["z29c_scn_".len()..][..16]);
+        if self.service_role.is_none() {
+            let mut conn = self.admin.connect().await?;
+            sqlx::query(sqlx::AssertSqlSafe(format!(
+                "CREATE ROLE {role} LOGIN IN ROLE z29c_service"
+            )))
+            .execute(&mut conn)
+            .await
+            .context("create the service's login role (migrate first)")?;
+            self.service_role = Some(role.clone());
+        }
+        Ok(self
+            .admin
+            .clone()
+            .database(&self.name)
+            .username(&role)
+            .password("")
+            .to_url_lossy()
+            .to_string())
     }
 
     pub fn url(&self) -> &str {
@@ -144,6 +176,11 @@ impl TestDatabase {
         )))
         .execute(&mut conn)
         .await?;
+        if let Some(role) = &self.service_role {
+            sqlx::query(sqlx::AssertSqlSafe(format!("DROP ROLE IF EXISTS {role}")))
+                .execute(&mut conn)
+                .await?;
+        }
         Ok(())
     }
 }

@@ -476,6 +476,8 @@ pub async fn run_cell(cell: Cell, switches: Switches) -> CellResult {
             permit_limit: 8,
             nats_url: nats.as_ref().map(PrivateNats::url),
             postgres_admin_url: pg.as_ref().map(PrivatePostgres::admin_url),
+            // the services hold the database privileges production gives them: rows only
+            least_privilege: true,
             ..Topology::default()
         })
         .await?;

@@ -11,6 +11,7 @@ use sqlx::PgPool;
 use tonic::Code;
 use tonic::codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};
 use z29c_core::Role;
+use z29c_core::identity::ServiceRole;
 use z29c_proto::v1::adapter_gateway_client::AdapterGatewayClient;
 use z29c_proto::v1::{self as pb};
 use z29c_scenarios::cluster::{Cluster, chain};
@@ -118,7 +119,7 @@ async fn malformed_oversized_and_unknown_input_is_refused_and_changes_nothing() 
     let submit = "/z29c.v1.WorkflowService/Submit";
     let invoke = "/z29c.v1.AdapterGateway/Invoke";
     let gateway = cluster.gateway_urls[0].clone();
-    let services = cluster.security.as_ref().unwrap().pki.tls("services");
+    let services = cluster.role_tls(ServiceRole::Executor);
 
     // malformed protobuf, and invalid UTF-8 in a string field (client_key; adapter)
     for (url, tls, path) in [
@@ -310,7 +311,9 @@ async fn nats_garbage_is_terminated_and_recorded_and_a_replay_changes_nothing() 
         .wait_all_ended(std::slice::from_ref(&wf.id), Duration::from_secs(60))
         .await?;
     let before = state(&pool).await?;
-    let bus = z29c_bus::Bus::connect(&cluster.nats_url, &cluster.prefix).await?;
+    // hints come from the scheduler alone: garbage on its subject is what a scheduler gone
+    // wrong (or holding a stolen key) could send
+    let bus = cluster.bus_as(ServiceRole::Scheduler).await?;
     let subject = bus.names().subject(z29c_bus::Topic::StepReady);
     // a replay of the step's hint, under its old and a new msg_id: hints carry no truth
     let step = &wf.steps[0].id;

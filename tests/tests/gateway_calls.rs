@@ -6,16 +6,15 @@
 
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use serde_json::json;
 use sqlx::PgPool;
 use tonic::Code;
-use z29c_core::{AttemptId, OwnerId};
+use z29c_core::AttemptId;
+use z29c_core::identity::ServiceRole;
 use z29c_proto::v1::adapter_gateway_client::AdapterGatewayClient;
 use z29c_proto::v1::{self as pb};
-use z29c_scenarios::cluster::{Cluster, Topology, chain};
-use z29c_store::Store;
-use z29c_store::leases::ClaimedStep;
+use z29c_scenarios::cluster::{Cluster, Topology, invoke_request};
 
 /// A secure cluster with no executor: the test claims steps itself, as an executor would.
 async fn cluster(env: &[(&str, &str)]) -> Result<(Cluster, PgPool)> {
@@ -33,71 +32,15 @@ async fn cluster(env: &[(&str, &str)]) -> Result<(Cluster, PgPool)> {
     Ok((cluster, pool))
 }
 
-/// Submits a one-step workflow on `route` and claims its step as `executor-test`.
-async fn claimed(cluster: &Cluster, pool: &PgPool, key: &str, route: &str) -> Result<ClaimedStep> {
-    let token = cluster.token("olga", &[z29c_core::Role::Operator])?;
-    let mut client = cluster
-        .client_with(&cluster.operator_tls(), Some(&token))
-        .await?;
-    let mut req = chain(key, route, 1);
-    // a policy whose calls fit any gateway's cap in these tests
-    req.steps[0].policy = Some(z29c_scenarios::matrix::policy());
-    client.submit(req).await?;
-    let store = Store::from_pool(pool.clone());
-    let start = Instant::now();
-    loop {
-        if let Some(c) = store
-            .claim(&OwnerId::parse("executor-test")?, 1)
-            .await?
-            .pop()
-        {
-            return Ok(c);
-        }
-        anyhow::ensure!(
-            start.elapsed() < Duration::from_secs(30),
-            "nothing to claim"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
-/// The call an executor makes for `c`.
-fn call_for(c: &ClaimedStep) -> pb::InvokeRequest {
-    pb::InvokeRequest {
-        adapter: c.adapter.clone(),
-        operation: c.operation.clone(),
-        request_identity: c.request_identity.as_str().to_owned(),
-        input_json: c.input.to_string(),
-        input_digest: c.input_digest.as_str().to_owned(),
-        workflow_id: c.workflow.to_string(),
-        step_id: c.lease.step.to_string(),
-        attempt_id: c.lease.attempt.to_string(),
-        lease_version: c.lease.version.get(),
-        lease_owner: c.lease.owner.as_str().to_owned(),
-    }
-}
-
-async fn effects(cluster: &Cluster) -> Result<i64> {
-    let ledger = cluster.ledger_pool().await?;
-    let n = z29c_scenarios::count_rows(&ledger, "destination.requests").await?;
-    ledger.close().await;
-    Ok(n)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gateway_sends_only_an_attempts_own_request_and_audits_every_other() -> Result<()> {
     let (cluster, pool) = cluster(&[]).await?;
-    let services = cluster
-        .security
-        .as_ref()
-        .context("secure")?
-        .pki
-        .tls("services");
+    let executor = cluster.role_tls(ServiceRole::Executor);
     let mut gw =
-        AdapterGatewayClient::new(cluster.channel(&cluster.gateway_urls[0], &services).await?);
-    let c = claimed(&cluster, &pool, "own-1", "ok").await?;
-    let own = call_for(&c);
-    let before = effects(&cluster).await?;
+        AdapterGatewayClient::new(cluster.channel(&cluster.gateway_urls[0], &executor).await?);
+    let c = cluster.claimed_by_test(&pool, "own-1", "ok").await?;
+    let own = invoke_request(&c);
+    let before = cluster.requests_received().await?;
 
     let mut refused = Vec::new();
     // no attempt at all: what an operator's certificate could once send
@@ -161,7 +104,11 @@ async fn a_gateway_sends_only_an_attempts_own_request_and_audits_every_other() -
     .fetch_one(&pool)
     .await?;
     assert_eq!(audited, 5, "every refusal audited");
-    assert_eq!(effects(&cluster).await?, before, "nothing refused was sent");
+    assert_eq!(
+        cluster.requests_received().await?,
+        before,
+        "nothing refused was sent"
+    );
 
     // the attempt's own request goes through, once
     let answer = gw.invoke(own).await?.into_inner();
@@ -172,7 +119,7 @@ async fn a_gateway_sends_only_an_attempts_own_request_and_audits_every_other() -
         ),
         "{answer:?}"
     );
-    assert_eq!(effects(&cluster).await?, before + 1);
+    assert_eq!(cluster.requests_received().await?, before + 1);
     pool.close().await;
     cluster.stop().await
 }
@@ -185,20 +132,17 @@ async fn every_call_ends_within_the_gateways_deadline_cap() -> Result<()> {
     cluster
         .set_faults("slow", json!({ "delay_ms": 10_000 }))
         .await?;
-    let services = cluster
-        .security
-        .as_ref()
-        .context("secure")?
-        .pki
-        .tls("services");
+    let executor = cluster.role_tls(ServiceRole::Executor);
     let mut gw =
-        AdapterGatewayClient::new(cluster.channel(&cluster.gateway_urls[0], &services).await?);
+        AdapterGatewayClient::new(cluster.channel(&cluster.gateway_urls[0], &executor).await?);
     for (i, deadline) in [Some(Duration::from_secs(3600)), None]
         .into_iter()
         .enumerate()
     {
-        let c = claimed(&cluster, &pool, &format!("cap-{i}"), "slow").await?;
-        let mut req = tonic::Request::new(call_for(&c));
+        let c = cluster
+            .claimed_by_test(&pool, &format!("cap-{i}"), "slow")
+            .await?;
+        let mut req = tonic::Request::new(invoke_request(&c));
         if let Some(d) = deadline {
             req.set_timeout(d);
         }

@@ -10,6 +10,7 @@ use reqwest::{Client, StatusCode};
 use serde_json::{Value, json};
 use sqlx::PgPool;
 use z29c_core::Role;
+use z29c_core::identity::ServiceRole;
 use z29c_scenarios::apis::Apis;
 use z29c_scenarios::cluster::{Cluster, Topology};
 use z29c_scenarios::{count_rows, order};
@@ -473,7 +474,20 @@ async fn curl(
     body: Option<&Value>,
     certificate: bool,
 ) -> Result<(u16, String)> {
-    let tls = cluster.operator_tls();
+    let role = certificate.then_some(ServiceRole::Operator);
+    curl_as(cluster, role, method, path, token, body).await
+}
+
+/// [`curl`] with the certificate of `role` (or none).
+async fn curl_as(
+    cluster: &Cluster,
+    role: Option<ServiceRole>,
+    method: &str,
+    path: &str,
+    token: Option<&str>,
+    body: Option<&Value>,
+) -> Result<(u16, String)> {
+    let tls = cluster.role_tls(role.unwrap_or(ServiceRole::Operator));
     let mut cmd = tokio::process::Command::new("curl");
     cmd.args([
         "-sS",
@@ -485,7 +499,7 @@ async fn curl(
         "\n%{http_code}",
     ]);
     cmd.arg("--cacert").arg(tls.ca_file.context("ca")?);
-    if certificate {
+    if role.is_some() {
         cmd.arg("--cert").arg(tls.cert_file.context("cert")?);
         cmd.arg("--key").arg(tls.key_file.context("key")?);
     }
@@ -568,6 +582,32 @@ async fn a_secure_cluster_asks_the_http_caller_for_its_certificate_its_token_and
     )
     .await?;
     assert_eq!(status, 401, "{body}");
+    // a service's certificate is not a caller's, whatever its token: 403 naming its role
+    let (status, body) = curl_as(
+        &cluster,
+        Some(ServiceRole::Executor),
+        "GET",
+        "/v1/workflows",
+        Some(&operator),
+        None,
+    )
+    .await?;
+    assert_eq!(status, 403, "{body}");
+    let body: Value = serde_json::from_str(&body)?;
+    let (code, message) = error_of(&body)?;
+    assert_eq!(code, "PERMISSION_DENIED");
+    assert!(message.contains("names the role executor"), "{message}");
+    // an application's certificate is one
+    let (status, body) = curl_as(
+        &cluster,
+        Some(ServiceRole::Application),
+        "GET",
+        "/v1/workflows",
+        Some(&operator),
+        None,
+    )
+    .await?;
+    assert_eq!(status, 200, "{body}");
     // a viewer may read but not submit: 403 naming the role it needs
     let (status, body) = curl(&cluster, "GET", "/v1/workflows", Some(&viewer), None, true).await?;
     assert_eq!(status, 200, "{body}");

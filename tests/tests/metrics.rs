@@ -4,15 +4,9 @@
 
 use std::time::{Duration, Instant};
 
-use anyhow::{Result, bail};
+use anyhow::{Context, Result, bail};
 use z29c_proto::v1::{self as pb};
-use z29c_scenarios::cluster::{Cluster, Topology, chain};
-
-fn free_port() -> Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
-}
+use z29c_scenarios::cluster::{Cluster, Topology, chain, free_port};
 
 fn one_step(key: &str, route: &str, policy: pb::LeasePolicy) -> pb::SubmitRequest {
     let mut req = chain(key, route, 1);
@@ -104,7 +98,7 @@ async fn a_stale_worker_shows_one_fencing_rejection_and_one_late_observation() -
         text.contains("z29c_step_unknown_outcomes_total 0"),
         "the worker knew its outcome; it was only late:\n{text}"
     );
-    scrape_until(
+    let text = scrape_until(
         &cluster.recovery_metrics_url,
         &[
             "z29c_lease_recoveries_total 1",
@@ -114,6 +108,18 @@ async fn a_stale_worker_shows_one_fencing_rejection_and_one_late_observation() -
         ],
     )
     .await?;
+    // what the database keeps, for people to watch grow (read when recovery starts, then
+    // every 30 s: the receipts table's indexes have pages from the start)
+    let gauge = |name: &str| -> Result<f64> {
+        Ok(text
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .with_context(|| format!("{name}missing:\n{text}"))?
+            .trim()
+            .parse()?)
+    };
+    assert!(gauge("z29c_storage_table_bytes{table=\"step_receipts\"} ")? > 0.0);
+    assert!(gauge("z29c_storage_oldest_workflow_age_seconds ")? >= 0.0);
     cluster.stop().await
 }
 

@@ -9,6 +9,7 @@ use serde_json::json;
 use sqlx::PgPool;
 use tonic::Code;
 use z29c_core::Role;
+use z29c_core::identity::ServiceRole;
 use z29c_proto::v1::adapter_gateway_client::AdapterGatewayClient;
 use z29c_proto::v1::{self as pb};
 use z29c_scenarios::cluster::{Cluster, chain, flaky_workflow};
@@ -192,7 +193,7 @@ async fn without_a_certificate_from_the_ca_no_service_can_be_called() -> Result<
         assert!(answers(channel).await, "{url}");
     }
     let channel = cluster
-        .channel(&gateway, &security.pki.tls("services"))
+        .channel(&gateway, &cluster.role_tls(ServiceRole::Executor))
         .await?;
     let described = AdapterGatewayClient::new(channel)
         .describe(pb::DescribeRequest {})

@@ -25,8 +25,11 @@ use std::time::Duration;
 
 use anyhow::Context;
 use tokio_util::sync::CancellationToken;
+use tonic::service::interceptor::InterceptedService;
 use z29c_bus::{AdapterRecord, GatewayRecord};
+use z29c_core::identity::Server;
 use z29c_proto::v1::adapter_gateway_server::AdapterGatewayServer;
+use z29c_security::identity::RoleCheck;
 use z29c_store::Store;
 use z29c_store::invocations::InvocationPath;
 
@@ -93,7 +96,10 @@ pub async fn run_with(
             tracing::warn!(adapter = %a.name, permits = orphaned, "calls of an earlier run of this gateway ended with it; their outcome is unknown");
         }
     }
-    let bus = config.shared.bus().await?;
+    let bus = config
+        .shared
+        .bus(z29c_core::identity::ServiceRole::Gateway)
+        .await?;
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .with_context(|| format!("bind {}", config.listen))?;
@@ -181,9 +187,10 @@ pub async fn run_with(
     let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
     z29c_runtime::server::builder(&config.tls, &config.grpc)?
         .add_service(health)
-        .add_service(
+        .add_service(InterceptedService::new(
             AdapterGatewayServer::new(service).max_decoding_message_size(config.max_request_bytes),
-        )
+            RoleCheck::new(Server::Gateway, &config.tls)?,
+        ))
         .serve_with_incoming_shutdown(incoming, shutdown.cancelled())
         .await?;
     registration.abort();

@@ -8,7 +8,7 @@ use anyhow::{Context, Result};
 use serde::Serialize;
 use z29c_core::OwnerId;
 
-use super::{Mode, STEPS_PER_WORKFLOW, receipts, topology, workflow_named, z29c_cluster};
+use super::{Mode, STEPS_PER_WORKFLOW, receipts, topology, workflow_named, z29c_cluster_of};
 use z29c_scenarios::cluster::Cluster;
 
 /// Steps per template workflow of the growth runs (the scheduler's `max_steps`).
@@ -38,6 +38,17 @@ pub struct SteadyMinute {
     pub full_page_images: i64,
     /// Checkpoints (timed or requested) that began in the minute.
     pub checkpoints: i64,
+    /// Workflows in the database at the minute's end (retention removes the old ones).
+    pub workflows_kept: i64,
+}
+
+/// Retention for a steady run (recovery's `retention.period` and `retention.keep`).
+#[derive(Debug, Clone, Serialize)]
+pub struct Retention {
+    #[serde(with = "humantime_serde")]
+    pub period: Duration,
+    #[serde(with = "humantime_serde")]
+    pub keep: Duration,
 }
 
 /// The server's WAL and checkpoint counters, read at each minute's end.
@@ -63,6 +74,7 @@ impl WalCounters {
 #[derive(Debug, Clone, Serialize)]
 pub struct Steady {
     pub concurrency: usize,
+    pub retention: Option<Retention>,
     pub minutes: Vec<SteadyMinute>,
     /// Mean of the last three minutes ÷ mean of minutes 2–4 (1.0 = no decay).
     pub last_over_first: f64,
@@ -96,7 +108,7 @@ pub async fn z29c_growth(
         let copies = waiting.div_ceil(TEMPLATE_STEPS).saturating_sub(1) as i32;
         sqlx::query(
             "INSERT INTO workflows (id, client_key, submission_digest, name, state, deadline)
-             SELECT gen_random_uuid(), 'growth-' || g, submission_digest, name, state, deadline
+             SELECT z29c_uuid_v7(), 'growth-' || g, submission_digest, name, state, deadline
              FROM workflows, generate_series(1, $1) g WHERE client_key = 'growth-0'",
         )
         .bind(copies)
@@ -174,9 +186,26 @@ pub async fn z29c_steady(
     duration: Duration,
     concurrency: usize,
     backlog: usize,
+    retention: Option<Retention>,
     say: &dyn Fn(&str),
 ) -> Result<Steady> {
-    let cluster = z29c_cluster(concurrency, 0, Mode::Plain).await?;
+    let mut t = topology(0, Mode::Plain)?;
+    if let Some(r) = &retention {
+        t.retention_period = r.period;
+    }
+    let mut cluster = z29c_cluster_of(concurrency, t).await?;
+    if let Some(r) = &retention {
+        let (period, keep) = (
+            humantime::format_duration(r.period).to_string(),
+            humantime::format_duration(r.keep).to_string(),
+        );
+        cluster
+            .add_recovery_with(&[
+                ("Z29C_RETENTION__PERIOD", period.as_str()),
+                ("Z29C_RETENTION__KEEP", keep.as_str()),
+            ])
+            .await?;
+    }
     let result = async {
         let pool = cluster.db.pool(2).await?;
         let mut client = cluster.client().await?;
@@ -204,9 +233,11 @@ pub async fn z29c_steady(
             }
             if Instant::now() >= next_minute {
                 let now = receipts(&pool).await?;
-                let (dead, bytes): (i64, i64) = sqlx::query_as(
-                    "SELECT (SELECT n_dead_tup FROM pg_stat_user_tables WHERE relname = 'steps'),
-                            pg_database_size(current_database())",
+                let (dead, bytes, kept): (i64, i64, i64) = sqlx::query_as(
+                    "SELECT (SELECT coalesce(sum(n_dead_tup), 0)::bigint FROM pg_stat_user_tables
+                             WHERE relid IN (SELECT relid FROM pg_partition_tree('steps'))),
+                            pg_database_size(current_database()),
+                            (SELECT count(*) FROM workflows)",
                 )
                 .fetch_one(&pool)
                 .await?;
@@ -219,13 +250,15 @@ pub async fn z29c_steady(
                     wal_mib: (wal.wal_bytes - last_wal.wal_bytes) / (1024.0 * 1024.0),
                     full_page_images: wal.wal_fpi - last_wal.wal_fpi,
                     checkpoints: wal.checkpoints - last_wal.checkpoints,
+                    workflows_kept: kept,
                 };
                 say(&format!(
-                    "steady · minute {}: {:.0} steps/s, {} dead tuples in steps, database {:.0} MiB, WAL {:.0} MiB ({} full-page images), {} checkpoint(s) began",
+                    "steady · minute {}: {:.0} steps/s, {} dead tuples in steps, database {:.0} MiB, {} workflows kept, WAL {:.0} MiB ({} full-page images), {} checkpoint(s) began",
                     m.minute,
                     m.steps_per_second,
                     m.steps_dead_tuples,
                     m.tables_mib,
+                    m.workflows_kept,
                     m.wal_mib,
                     m.full_page_images,
                     m.checkpoints
@@ -245,6 +278,7 @@ pub async fn z29c_steady(
         let last3 = &minutes[minutes.len().saturating_sub(3)..];
         Ok(Steady {
             concurrency,
+            retention,
             // fewer than 4 minutes have no minutes 2–4 to compare with
             last_over_first: if minutes.len() < 4 {
                 f64::NAN

@@ -304,6 +304,8 @@ pub struct Report {
     pub reclaims: Vec<Reclaim>,
     pub growth: Vec<growth::Growth>,
     pub steady: Option<growth::Steady>,
+    /// The steady run again, with retention.
+    pub steady_retention: Option<growth::Steady>,
 }
 
 /// Steps per submitted workflow: independent, so all are ready at once.
@@ -433,10 +435,16 @@ pub async fn z29c_drain(
     result
 }
 
+/// Receipts committed so far: those kept, and those retention dropped (each drop's audit row
+/// counts what it removed).
 pub(crate) async fn receipts(pool: &sqlx::PgPool) -> Result<usize> {
-    let n: i64 = sqlx::query_scalar("SELECT count(*) FROM step_receipts")
-        .fetch_one(pool)
-        .await?;
+    let n: i64 = sqlx::query_scalar(
+        "SELECT ((SELECT count(*) FROM step_receipts)
+                 + (SELECT coalesce(sum((detail::jsonb -> 'removed' ->> 'step_receipts')::bigint), 0)
+                    FROM audit_log WHERE action = 'drop'))::bigint",
+    )
+    .fetch_one(pool)
+    .await?;
     Ok(n as usize)
 }
 
@@ -496,7 +504,12 @@ pub(crate) async fn z29c_cluster(
     recoveries: usize,
     mode: Mode,
 ) -> Result<Cluster> {
-    let mut cluster = Cluster::start_with(topology(recoveries, mode)?).await?;
+    z29c_cluster_of(concurrency, topology(recoveries, mode)?).await
+}
+
+/// [`z29c_cluster`] of the processes `t` names.
+pub(crate) async fn z29c_cluster_of(concurrency: usize, t: Topology) -> Result<Cluster> {
+    let mut cluster = Cluster::start_with(t).await?;
     cluster
         .set_faults("bench", serde_json::json!({ "ledger_off": true }))
         .await?;
@@ -933,17 +946,23 @@ impl Report {
                 ));
             }
         }
-        if let Some(st) = &self.steady {
+        for st in self.steady.iter().chain(&self.steady_retention) {
+            let per_minute = |f: &dyn Fn(&growth::SteadyMinute) -> String| {
+                st.minutes.iter().map(f).collect::<Vec<_>>().join(" ")
+            };
             out.push_str(&format!(
-                "\nz29c steady run, concurrency {}: {} minutes; steps/s per minute: {}; last 3 ÷ minutes 2–4 = {:.2}\n",
+                "\nz29c steady run, concurrency {}, {}: {} minutes; steps/s per minute: {}; last 3 ÷ minutes 2–4 = {:.2}\n  database MiB at each minute's end: {}\n  workflows kept: {}\n",
                 st.concurrency,
+                st.retention.as_ref().map_or("no retention".to_owned(), |r| format!(
+                    "retention {} in periods of {}",
+                    humantime::format_duration(r.keep),
+                    humantime::format_duration(r.period)
+                )),
                 st.minutes.len(),
-                st.minutes
-                    .iter()
-                    .map(|m| format!("{:.0}", m.steps_per_second))
-                    .collect::<Vec<_>>()
-                    .join(" "),
-                st.last_over_first
+                per_minute(&|m| format!("{:.0}", m.steps_per_second)),
+                st.last_over_first,
+                per_minute(&|m| format!("{:.0}", m.tables_mib)),
+                per_minute(&|m| m.workflows_kept.to_string()),
             ));
         }
         out

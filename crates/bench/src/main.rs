@@ -41,7 +41,9 @@ struct BenchArgs {
     /// own commit, permit releases included), graphile-worker, pg-boss.
     #[arg(long, value_delimiter = ',', default_values_t = ["z29c".to_owned(), "graphile-worker".to_owned(), "pg-boss".to_owned()])]
     systems: Vec<String>,
-    /// Parts to run, comma-separated: drain, latency, reclaim, growth, steady.
+    /// Parts to run, comma-separated: drain, latency, reclaim, growth, steady, and
+    /// steady-retention (the steady run again, with `--retention-keep` and
+    /// `--retention-period`).
     #[arg(long, value_delimiter = ',', default_values_t = ["drain".to_owned(), "latency".to_owned(), "reclaim".to_owned(), "growth".to_owned(), "steady".to_owned()])]
     parts: Vec<String>,
     /// Steps waiting in the growth runs, comma-separated.
@@ -50,6 +52,12 @@ struct BenchArgs {
     /// Length of the steady run.
     #[arg(long, default_value = "20m", value_parser = humantime::parse_duration)]
     steady: Duration,
+    /// Retention of the steady-retention run: how long a finished workflow is kept.
+    #[arg(long, default_value = "2m", value_parser = humantime::parse_duration)]
+    retention_keep: Duration,
+    /// Retention period of the steady-retention run.
+    #[arg(long, default_value = "1m", value_parser = humantime::parse_duration)]
+    retention_period: Duration,
     /// A drain stops here; its rate is what finished by then.
     #[arg(long, default_value = "120s", value_parser = humantime::parse_duration)]
     cap: Duration,
@@ -143,8 +151,20 @@ async fn bench_on(a: BenchArgs) -> Result<()> {
         }
     }
     for p in &a.parts {
-        if !["drain", "latency", "reclaim", "growth", "steady"].contains(&p.as_str()) {
-            bail!("--parts: unknown part {p:?} (drain, latency, reclaim, growth, steady)");
+        if ![
+            "drain",
+            "latency",
+            "reclaim",
+            "growth",
+            "steady",
+            "steady-retention",
+        ]
+        .contains(&p.as_str())
+        {
+            bail!(
+                "--parts: unknown part {p:?} (drain, latency, reclaim, growth, steady, \
+                 steady-retention)"
+            );
         }
     }
     if let Some(l) = a.loads.iter().find(|l| !(**l > 0.0 && **l <= 1.0)) {
@@ -354,7 +374,16 @@ async fn bench_on(a: BenchArgs) -> Result<()> {
         }
     }
     if part("steady") && z29c {
-        report.steady = Some(bench::growth::z29c_steady(a.steady, c, 3_000, &say).await?);
+        report.steady = Some(bench::growth::z29c_steady(a.steady, c, 3_000, None, &say).await?);
+        save(&report)?;
+    }
+    if part("steady-retention") && z29c {
+        let retention = bench::growth::Retention {
+            period: a.retention_period,
+            keep: a.retention_keep,
+        };
+        report.steady_retention =
+            Some(bench::growth::z29c_steady(a.steady, c, 3_000, Some(retention), &say).await?);
         save(&report)?;
     }
     say(&report.table());

@@ -56,8 +56,8 @@ impl Gateways {
 
     /// Reads the registry again, waiting for it, when the cache is `max_age` old or holds no
     /// gateway. A younger cache older than [`REFRESH`] is used as it is while one read of the
-    /// registry runs in the background: the read creates a JetStream consumer and fetches
-    /// through it, and every attempt starting meanwhile used to wait for it. An error means
+    /// registry runs in the background: the read is a round trip per registered gateway,
+    /// and every attempt starting meanwhile used to wait for it. An error means
     /// the registry could not be read when a read was waited for.
     async fn refresh(&self, cache: &mut Cache, max_age: Duration) -> crate::Result<()> {
         if cache.records.is_empty() || cache.fetched.is_none_or(|t| t.elapsed() >= max_age) {

@@ -6,6 +6,7 @@
 //! changes nothing. Every name is under a configurable prefix, so deployments, and tests, share
 //! a NATS server without seeing each other's messages.
 
+pub mod auth;
 pub mod gateways;
 
 use std::time::Duration;
@@ -155,6 +156,11 @@ impl Names {
             self.prefix.to_ascii_uppercase().replace('-', "_")
         )
     }
+
+    /// The stream that keeps the gateway registry.
+    pub fn registry_name(&self) -> String {
+        format!("{}_REGISTRY", self.stream().trim_end_matches("_EVENTS"))
+    }
 }
 
 /// Decodes an envelope, refusing anything that is not one (see `z29c_proto::envelope`).
@@ -238,9 +244,31 @@ impl Bus {
         prefix: &str,
         tls: &z29c_security::TlsConfig,
     ) -> Result<Self> {
+        Self::connect_as(url, prefix, tls, None, &auth::NatsAuth::default()).await
+    }
+
+    /// [`Bus::connect_with`] as the service `role`, proving itself with `auth`'s NKey: replies
+    /// come to the role's own inbox ([`auth::inbox_prefix`]), as the server's permissions
+    /// for that role expect.
+    pub async fn connect_as(
+        url: &str,
+        prefix: &str,
+        tls: &z29c_security::TlsConfig,
+        role: Option<z29c_core::identity::ServiceRole>,
+        auth: &auth::NatsAuth,
+    ) -> Result<Self> {
         use backon::Retryable;
         let names = Names::new(prefix)?;
-        let mut options = async_nats::ConnectOptions::new().name("z29c");
+        let mut options = async_nats::ConnectOptions::new().name(match role {
+            Some(r) => format!("z29c-{r}"),
+            None => "z29c".to_owned(),
+        });
+        if let Some(role) = role {
+            options = options.custom_inbox_prefix(auth::inbox_prefix(&names, role));
+        }
+        if let Some(seed) = auth.seed().map_err(nats)? {
+            options = options.nkey(seed);
+        }
         if tls.enabled().map_err(nats)? {
             if let Some(ca) = &tls.ca_file {
                 options = options.add_root_certificates(ca.clone());
@@ -423,6 +451,9 @@ pub struct AdapterRecord {
     pub capability: z29c_core::AdapterCapability,
 }
 
+/// The executors' durable consumer of step hints.
+pub const EXECUTOR_CONSUMER: &str = "executors";
+
 /// How long a registration lives without being refreshed.
 pub const REGISTRATION_TTL: Duration = Duration::from_secs(10);
 
@@ -435,10 +466,7 @@ impl Bus {
     }
 
     fn registry_name(&self) -> String {
-        format!(
-            "{}_REGISTRY",
-            self.names.stream().trim_end_matches("_EVENTS")
-        )
+        self.names.registry_name()
     }
 
     async fn registry(&self) -> Result<stream::Stream> {
@@ -470,49 +498,50 @@ impl Bus {
         Ok(())
     }
 
-    /// Removes a gateway at shutdown, so nobody waits for its registration to expire.
+    /// Removes a gateway at shutdown, so nobody waits for its registration to expire: an
+    /// empty record replaces its last one (a gateway may publish its registration, but no
+    /// service may purge a stream).
     pub async fn deregister_gateway(&self, id: &str) -> Result<()> {
-        let registry = self.registry().await?;
-        registry
-            .purge()
-            .filter(self.registry_subject(id))
+        self.registry().await?;
+        self.js
+            .publish(self.registry_subject(id), Bytes::new())
+            .await
+            .map_err(nats)?
             .await
             .map_err(nats)?;
         Ok(())
     }
 
-    /// The gateways registered now.
+    /// The gateways registered now: the last record of each gateway's subject, read with
+    /// the stream's own message lookup (no consumer: a service may not create one on the
+    /// registry, so none can point its deliveries at a subject it may not publish to).
     pub async fn gateways(&self) -> Result<Vec<GatewayRecord>> {
-        let mut registry = self.registry().await?;
-        let pending = registry.info().await.map_err(nats)?.state.messages;
+        use futures::TryStreamExt;
+        let registry = self.registry().await?;
+        let subjects: Vec<String> = registry
+            .info_with_subjects(format!("{}.registry.gateway.>", self.names.prefix))
+            .await
+            .map_err(nats)?
+            .map_ok(|(subject, _)| subject)
+            .try_collect()
+            .await
+            .map_err(nats)?;
         let mut out = Vec::new();
-        if pending == 0 {
-            return Ok(out);
-        }
-        let consumer: consumer::PullConsumer = registry
-            .create_consumer(consumer::pull::Config {
-                deliver_policy: consumer::DeliverPolicy::LastPerSubject,
-                filter_subject: format!("{}.registry.gateway.>", self.names.prefix),
-                ack_policy: consumer::AckPolicy::None,
-                inactive_threshold: Duration::from_secs(5),
-                ..Default::default()
-            })
-            .await
-            .map_err(nats)?;
-        let mut messages = consumer
-            .fetch()
-            .max_messages(pending as usize)
-            .expires(Duration::from_millis(300))
-            .messages()
-            .await
-            .map_err(nats)?;
-        while let Some(msg) = futures::StreamExt::next(&mut messages).await {
-            let msg = msg.map_err(nats)?;
+        for subject in subjects {
+            let msg = match registry.get_last_raw_message_by_subject(&subject).await {
+                Ok(msg) => msg,
+                // expired since the listing
+                Err(e)
+                    if e.kind()
+                        == async_nats::jetstream::stream::LastRawMessageErrorKind::NoMessageFound =>
+                {
+                    continue;
+                }
+                Err(e) => return Err(nats(e)),
+            };
+            // an empty record is a gateway that went away
             if let Ok(record) = serde_json::from_slice::<GatewayRecord>(&msg.payload) {
                 out.push(record);
-            }
-            if out.len() as u64 >= pending {
-                break;
             }
         }
         out.sort_by(|a, b| a.id.cmp(&b.id));

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use z29c_adapter_gateway::{AdapterConfig, GatewayConfig};
+use z29c_core::identity::ServiceRole;
 use z29c_executor::ExecutorConfig;
 use z29c_proto::v1::{self as pb, ProductState};
 use z29c_scheduler::SchedulerConfig;
@@ -41,10 +42,10 @@ pub(crate) struct DevArgs {
     insecure: bool,
 }
 
-/// What `z29c dev` secures its services with: a throwaway CA and token secret, and the
-/// tokens it hands out.
+/// What `z29c dev` secures its services with: a throwaway CA with one certificate per role,
+/// a token secret, and the tokens it hands out.
 struct DevSecurity {
-    tls: z29c_security::TlsConfig,
+    pki: Option<z29c_security::pki::DevPki>,
     auth: z29c_security::AuthConfig,
     /// All three roles, for the demo and the person at the console.
     token: Option<String>,
@@ -55,7 +56,7 @@ impl DevSecurity {
     fn new(insecure: bool) -> anyhow::Result<Self> {
         if insecure {
             return Ok(Self {
-                tls: Default::default(),
+                pki: None,
                 auth: Default::default(),
                 token: None,
                 dir: None,
@@ -63,7 +64,8 @@ impl DevSecurity {
         }
         let dir =
             std::env::temp_dir().join(format!("z29c-dev-pki-{}", uuid::Uuid::new_v4().simple()));
-        let pki = z29c_security::pki::DevPki::generate(&dir, &["services", "operator"])?;
+        let roles: Vec<&str> = ServiceRole::ALL.iter().map(|r| r.as_str()).collect();
+        let pki = z29c_security::pki::DevPki::generate(&dir, &roles)?;
         let secret = z29c_security::token::random_secret();
         let auth = z29c_security::AuthConfig {
             enabled: true,
@@ -78,11 +80,21 @@ impl DevSecurity {
             Duration::from_secs(24 * 3600),
         )?;
         Ok(Self {
-            tls: pki.tls("services"),
+            pki: Some(pki),
             auth,
             token: Some(token),
             dir: Some(dir),
         })
+    }
+}
+
+impl DevSecurity {
+    /// The certificate files of `role` (none with `--insecure`).
+    fn tls(&self, role: ServiceRole) -> z29c_security::TlsConfig {
+        self.pki
+            .as_ref()
+            .map(|p| p.tls(role.as_str()))
+            .unwrap_or_default()
     }
 }
 
@@ -98,10 +110,26 @@ const DEMO: &str = include_str!("../../../examples/demo.yaml");
 
 pub(crate) async fn run(args: DevArgs) -> anyhow::Result<()> {
     let started = Instant::now();
-    let infra = Infra::start(args.database_url.clone(), args.nats_url.clone()).await?;
     let shutdown = z29c_runtime::shutdown_token();
     let security = DevSecurity::new(args.insecure)?;
     let prefix = format!("dev{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
+    // a throwaway NATS of a secured run has a user per service role, each with its subjects
+    let nats_keys = match (&security.dir, &args.nats_url) {
+        (Some(dir), None) => {
+            let dir = dir.join("nats");
+            let names = z29c_bus::Names::new(&prefix)?;
+            let conf =
+                z29c_bus::auth::write_keys(&dir, &names, &z29c_bus::auth::NATS_ROLES, false)?;
+            Some((dir, std::fs::read_to_string(conf)?))
+        }
+        _ => None,
+    };
+    let infra = Infra::start(
+        args.database_url.clone(),
+        args.nats_url.clone(),
+        nats_keys.as_ref().map(|(_, conf)| conf.as_str()),
+    )
+    .await?;
 
     let store = z29c_store::Store::connect(&infra.database_url, 4).await?;
     store.migrate().await.context("apply migrations")?;
@@ -128,17 +156,26 @@ pub(crate) async fn run(args: DevArgs) -> anyhow::Result<()> {
         prefix: prefix.clone(),
         ..z29c_runtime::SharedConfig::default()
     };
+    // each service's own NATS key, when NATS has users
+    let shared_as = |role: ServiceRole| z29c_runtime::SharedConfig {
+        nats_auth: z29c_bus::auth::NatsAuth {
+            nkey_file: nats_keys
+                .as_ref()
+                .map(|(dir, _)| z29c_bus::auth::seed_path(dir, role)),
+        },
+        ..shared.clone()
+    };
     let mut tasks = Vec::new();
     let (gw_ready, gw_addr) = tokio::sync::oneshot::channel();
     let gateway = GatewayConfig {
         id: "gateway-1".into(),
         listen: "127.0.0.1:0".parse()?,
-        shared: shared.clone(),
+        shared: shared_as(ServiceRole::Gateway),
         adapters: vec![AdapterConfig {
             base_url: destination_url.clone(),
             ..AdapterConfig::default()
         }],
-        tls: security.tls.clone(),
+        tls: security.tls(ServiceRole::Gateway),
         ..GatewayConfig::default()
     };
     tasks.push(tokio::spawn(z29c_adapter_gateway::run(
@@ -155,8 +192,8 @@ pub(crate) async fn run(args: DevArgs) -> anyhow::Result<()> {
     let (sched_ready, sched_addr) = tokio::sync::oneshot::channel();
     let scheduler = SchedulerConfig {
         listen: "127.0.0.1:0".parse()?,
-        shared: shared.clone(),
-        tls: security.tls.clone(),
+        shared: shared_as(ServiceRole::Scheduler),
+        tls: security.tls(ServiceRole::Scheduler),
         auth: security.auth.clone(),
         ..SchedulerConfig::default()
     };
@@ -174,16 +211,16 @@ pub(crate) async fn run(args: DevArgs) -> anyhow::Result<()> {
     for i in 0..args.executors.max(1) {
         let executor = ExecutorConfig {
             id: format!("executor-{}", i + 1),
-            shared: shared.clone(),
-            tls: security.tls.clone(),
+            shared: shared_as(ServiceRole::Executor),
+            tls: security.tls(ServiceRole::Executor),
             ..ExecutorConfig::default()
         };
         tasks.push(tokio::spawn(z29c_executor::run(executor, shutdown.clone())));
     }
     let recovery = z29c_recovery::RecoveryConfig {
         listen: "127.0.0.1:0".parse()?,
-        shared: shared.clone(),
-        tls: security.tls.clone(),
+        shared: shared_as(ServiceRole::Recovery),
+        tls: security.tls(ServiceRole::Recovery),
         auth: security.auth.clone(),
         ..z29c_recovery::RecoveryConfig::default()
     };
@@ -214,9 +251,10 @@ pub(crate) async fn run(args: DevArgs) -> anyhow::Result<()> {
         "127.0.0.1:0".parse()?
     };
     // secured like the services: HTTPS with the throwaway CA's certificate, `Secure` cookies
+    let console_tls = security.tls(ServiceRole::Console);
     let console_https = z29c_runtime::https::HttpsConfig {
-        cert_file: security.tls.cert_file.clone(),
-        key_file: security.tls.key_file.clone(),
+        cert_file: console_tls.cert_file.clone(),
+        key_file: console_tls.key_file.clone(),
         client_ca_file: None,
     };
     let (console_ready, console_addr) = tokio::sync::oneshot::channel();
@@ -227,7 +265,7 @@ pub(crate) async fn run(args: DevArgs) -> anyhow::Result<()> {
             workflow_server: server.clone(),
             review_server: review_server.clone(),
             metrics: vec![format!("http://{metrics_addr}/metrics")],
-            tls: security.tls.clone(),
+            tls: console_tls,
             auth: security.auth.clone(),
         },
         shutdown.clone(),
@@ -247,9 +285,15 @@ pub(crate) async fn run(args: DevArgs) -> anyhow::Result<()> {
     println!("  destination (synthetic external system): {destination_url}");
     println!("  PostgreSQL: {}", shared.database_url);
     println!("  NATS: {} (prefix {prefix})", infra.nats_url);
+    if let Some((dir, _)) = &nats_keys {
+        println!(
+            "  NATS users: one NKey per service role, each allowed only its own subjects (keys in {})",
+            dir.display()
+        );
+    }
     if let (Some(dir), Some(token)) = (&security.dir, &security.token) {
         println!(
-            "  mutual TLS between services (throwaway CA in {}), operator tokens required",
+            "  mutual TLS between services, one certificate per role (throwaway CA in {}), operator tokens required",
             dir.display()
         );
         println!(
@@ -271,7 +315,7 @@ pub(crate) async fn run(args: DevArgs) -> anyhow::Result<()> {
         Some(path) => client::read_workflow(path)?,
         None => z29c_proto::workflow_file::parse(DEMO)?,
     };
-    let access = client::Access::new(security.token.clone(), &security.tls);
+    let access = client::Access::new(security.token.clone(), &security.tls(ServiceRole::Operator));
     let client = client::connect(&server, &access).await?;
     let wf = client
         .submit_file(file)

@@ -22,10 +22,12 @@ pub(crate) struct Infra {
 }
 
 impl Infra {
-    /// Uses `database_url`/`nats_url` when given; starts throwaway servers for what is not.
+    /// Uses `database_url`/`nats_url` when given; starts throwaway servers for what is not,
+    /// NATS with `nats_config` (its users and their permissions) when given.
     pub(crate) async fn start(
         database_url: Option<String>,
         nats_url: Option<String>,
+        nats_config: Option<&str>,
     ) -> anyhow::Result<Self> {
         let (database_url, postgres) = match database_url {
             Some(url) => (url, None),
@@ -46,7 +48,7 @@ impl Infra {
         let (nats_url, nats) = match nats_url {
             Some(url) => (url, None),
             None => {
-                let nats = PrivateNats::start().await?;
+                let nats = PrivateNats::start_with_config(nats_config).await?;
                 tracing::info!(port = nats.port, "throwaway NATS started");
                 (nats.url(), Some(nats))
             }

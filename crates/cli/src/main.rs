@@ -122,6 +122,27 @@ enum Command {
         #[arg(long, default_value = "z29c")]
         audience: String,
     },
+    /// Write NATS credentials for a deployment: an NKey seed per service role
+    /// (`<role>.nk`, for each service's `nats_auth.nkey_file`), with `--admin` `admin.nk` for
+    /// people, and `auth.conf`, the
+    /// `authorization` block for the NATS server's configuration (`include auth.conf`), which
+    /// lets each role publish and subscribe only its own subjects under the prefix.
+    NatsAuth {
+        /// Directory to write into (created if missing); existing keys there are replaced.
+        #[arg(long)]
+        dir: PathBuf,
+        /// The deployment's subject and stream prefix (`prefix`).
+        #[arg(long, env = "Z29C_PREFIX", default_value = "z29c")]
+        prefix: String,
+        /// Keep the keys already in the directory (its `auth.conf` exists): write only where
+        /// there are none, so a restart does not lock out running services.
+        #[arg(long)]
+        keep: bool,
+        /// Also write `admin.nk`, a key without limits for people (the `nats` CLI); keep it
+        /// away from the directory the services read.
+        #[arg(long)]
+        admin: bool,
+    },
     /// Apply the database migrations.
     Migrate {
         #[arg(long, env = "Z29C_DATABASE_URL")]
@@ -248,6 +269,42 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             let token =
                 z29c_security::token::mint(secret.trim(), &audience, &subject, &roles, ttl)?;
             client::Stdout::default().line(token)
+        }
+        Command::NatsAuth {
+            dir,
+            prefix,
+            keep,
+            admin,
+        } => {
+            if keep && dir.join("auth.conf").exists() {
+                return client::Stdout::default()
+                    .line(format!("kept the NATS keys in {} (--keep)", dir.display()));
+            }
+            let names = z29c_bus::Names::new(&prefix)
+                .map_err(|e| anyhow::anyhow!("--prefix: {e}").context(client::Exit::BadInput))?;
+            let conf =
+                z29c_bus::auth::write_keys(&dir, &names, &z29c_bus::auth::NATS_ROLES, admin)?;
+            let mut out = client::Stdout::default();
+            out.line(format!(
+                "wrote {} and a seed per role ({}) for prefix {prefix}",
+                conf.display(),
+                z29c_bus::auth::NATS_ROLES
+                    .iter()
+                    .map(|r| format!("{r}.nk"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ))?;
+            out.line("  NATS server: include auth.conf in its configuration")?;
+            out.line(
+                "  each service: nats_auth.nkey_file (Z29C_NATS_AUTH__NKEY_FILE) = its role's seed",
+            )?;
+            if admin {
+                out.line(format!(
+                    "  people: {} may do anything (nats --nkey); keep it off the services' machines",
+                    z29c_bus::auth::ADMIN_SEED
+                ))?;
+            }
+            Ok(())
         }
         Command::Migrate { database_url } => {
             z29c_store::Store::connect(&database_url, 2)

@@ -1,6 +1,8 @@
 //! The console's small overview of the four metric levels (docs/design.md §7): each service's
 //! `/metrics` scraped, summed by name across instances and labels, grouped by the level the
-//! name keeps (`z29c_lease_*`, `z29c_attempt_*`, `z29c_step_*`, `z29c_workflow*`).
+//! name keeps (`z29c_lease_*`, `z29c_attempt_*`, `z29c_step_*`, `z29c_workflow*`), and what
+//! the database keeps (`z29c_storage_*`: every recovery instance reports the same tables, so
+//! these take the largest report instead of the sum).
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -8,11 +10,12 @@ use std::time::Duration;
 use serde::Serialize;
 
 /// The levels in the order a person reads them: outcomes first, worker churn last.
-pub const LEVELS: [(&str, &str); 4] = [
+pub const LEVELS: [(&str, &str); 5] = [
     ("workflow", "Workflows: outcomes"),
     ("step", "Steps: what is known about external effects"),
     ("attempt", "Attempts: one try each"),
     ("lease", "Leases: who may work (churn, not results)"),
+    ("storage", "Storage: what the database keeps"),
 ];
 
 #[derive(Debug, Clone, Serialize)]
@@ -47,7 +50,7 @@ pub fn level_of(name: &str) -> Option<&'static str> {
 }
 
 /// The labels the overview keeps apart; every other label is summed over.
-const KEPT_LABELS: [&str; 2] = ["state", "verification"];
+const KEPT_LABELS: [&str; 3] = ["state", "verification", "table"];
 
 /// Sums the samples of `text` (Prometheus text format) into `into`, by metric name and the
 /// [`KEPT_LABELS`]. Histogram buckets and sums are left out; their `_count` is kept.
@@ -62,6 +65,7 @@ pub fn add_samples(text: &str, into: &mut BTreeMap<String, f64>) -> anyhow::Resu
             Value::Counter(v) | Value::Gauge(v) | Value::Untyped(v) => v,
             Value::Histogram(_) | Value::Summary(_) => continue,
         };
+        let largest = level_of(&s.metric) == Some("storage");
         let kept: Vec<String> = KEPT_LABELS
             .iter()
             .filter_map(|l| s.labels.get(l).map(|v| format!("{l}={v}")))
@@ -71,7 +75,12 @@ pub fn add_samples(text: &str, into: &mut BTreeMap<String, f64>) -> anyhow::Resu
         } else {
             format!("{}{{{}}}", s.metric, kept.join(","))
         };
-        *into.entry(key).or_default() += v;
+        let entry = into.entry(key).or_default();
+        if largest {
+            *entry = entry.max(v);
+        } else {
+            *entry += v;
+        }
     }
     Ok(())
 }
@@ -152,5 +161,23 @@ mod tests {
             Some("attempt")
         );
         assert_eq!(level_of("http_requests_total"), None);
+    }
+
+    #[test]
+    fn storage_takes_the_largest_report_per_table_not_the_sum() {
+        let one = "z29c_storage_table_bytes{table=\"steps\"} 8192
+                   z29c_storage_table_bytes{table=\"workflows\"} 100
+                   z29c_storage_oldest_workflow_age_seconds 60
+";
+        let other = "z29c_storage_table_bytes{table=\"steps\"} 16384
+                     z29c_storage_oldest_workflow_age_seconds 61
+";
+        let mut sums = BTreeMap::new();
+        add_samples(one, &mut sums).unwrap();
+        add_samples(other, &mut sums).unwrap();
+        assert_eq!(sums["z29c_storage_table_bytes{table=steps}"], 16384.0);
+        assert_eq!(sums["z29c_storage_table_bytes{table=workflows}"], 100.0);
+        assert_eq!(sums["z29c_storage_oldest_workflow_age_seconds"], 61.0);
+        assert_eq!(level_of("z29c_storage_table_bytes"), Some("storage"));
     }
 }

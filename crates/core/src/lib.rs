@@ -19,13 +19,17 @@
 //! - [`dag`]: validation of a submitted workflow's step graph.
 //! - [`refs`]: references from a step's input to its dependencies' results, and resolving them.
 //! - [`access`]: operator roles and which actions each allows.
+//! - [`identity`]: service roles in certificates and which servers each may call.
 //! - [`maintenance`]: when z29c vacuums its own tables (where no autovacuum will).
+//! - [`connections`]: whether a service's pool fits the server's `max_connections`.
 
 pub mod access;
 pub mod capability;
 pub mod checkpoint;
+pub mod connections;
 pub mod dag;
 pub mod fence;
+pub mod identity;
 pub mod ids;
 pub mod maintenance;
 pub mod policy;

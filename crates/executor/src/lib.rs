@@ -66,7 +66,10 @@ pub async fn run(config: ExecutorConfig, shutdown: CancellationToken) -> anyhow:
         }
     }
     let store = config.shared.store(config.max_connections).await?;
-    let bus = config.shared.bus().await?;
+    let bus = config
+        .shared
+        .bus(z29c_core::identity::ServiceRole::Executor)
+        .await?;
     if let Some(addr) = config.health_listen {
         z29c_runtime::serve_plain_health(
             addr,
@@ -150,7 +153,7 @@ pub async fn run(config: ExecutorConfig, shutdown: CancellationToken) -> anyhow:
 }
 
 /// The durable consumer of `step.ready` hints shared by executors.
-const HINT_CONSUMER: &str = "executors";
+const HINT_CONSUMER: &str = z29c_bus::EXECUTOR_CONSUMER;
 
 /// Wakes the pool on `step.ready` hints. Hints are acknowledged at once: they carry no truth.
 /// A message that is not a valid `step.ready` envelope is terminated (never redelivered) and

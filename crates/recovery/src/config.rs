@@ -35,6 +35,39 @@ pub struct RecoveryConfig {
     pub grpc: z29c_runtime::ServerLimits,
     /// Largest request `ReviewService` accepts.
     pub max_request_bytes: usize,
+    /// How long finished workflows are kept, and how their history is removed.
+    pub retention: RetentionConfig,
+}
+
+/// Retention by whole time periods (`z29c_store::retention`): every table that grows with
+/// work is partitioned by period, and a period is dropped whole once it may go.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RetentionConfig {
+    /// How long a period lasts (`1d`, `1h`, `10m`; at least `1s`). The history of the
+    /// workflows made in one period is dropped together, so a workflow is kept up to a
+    /// period longer than `keep`.
+    #[serde(with = "humantime_serde")]
+    pub period: std::time::Duration,
+    /// How long a finished workflow is kept after it finished (`90d`); none keeps
+    /// everything. A period goes once it ended this long ago, each of its workflows
+    /// finished this long ago, none of its review items is open and none of its permits is
+    /// held.
+    #[serde(with = "humantime_serde")]
+    pub keep: Option<std::time::Duration>,
+    /// Where each period is written before it is dropped, one gzip'd CSV per table
+    /// (`<table>_<period>.csv.gz`), if anywhere. A period whose export fails is not dropped.
+    pub export_dir: Option<std::path::PathBuf>,
+}
+
+impl Default for RetentionConfig {
+    fn default() -> Self {
+        Self {
+            period: std::time::Duration::from_secs(24 * 60 * 60),
+            keep: None,
+            export_dir: None,
+        }
+    }
 }
 
 impl Default for RecoveryConfig {
@@ -53,6 +86,7 @@ impl Default for RecoveryConfig {
             auth: Default::default(),
             grpc: Default::default(),
             max_request_bytes: 64 * 1024,
+            retention: RetentionConfig::default(),
         }
     }
 }
@@ -72,6 +106,16 @@ impl z29c_runtime::Validate for RecoveryConfig {
         }
         if self.recovery_lease_ms == 0 {
             return Err(Invalid::new("recovery_lease_ms", "must be at least 1"));
+        }
+        if self.retention.period < std::time::Duration::from_secs(1) {
+            return Err(Invalid::new("retention.period", "must be at least 1s"));
+        }
+        if self
+            .retention
+            .keep
+            .is_some_and(|k| k < std::time::Duration::from_secs(1))
+        {
+            return Err(Invalid::new("retention.keep", "must be at least 1s"));
         }
         Ok(())
     }

@@ -19,9 +19,69 @@ use std::time::Duration;
 
 use anyhow::Context;
 use tokio_util::sync::CancellationToken;
+use tonic::service::interceptor::InterceptedService;
 use z29c_core::OwnerId;
+use z29c_core::identity::Server;
+use z29c_security::identity::RoleCheck;
 
 pub use config::RecoveryConfig;
+
+/// How often recovery reads the tables' sizes for the storage gauges.
+const STORAGE_EVERY: Duration = Duration::from_secs(30);
+
+/// How often recovery makes the next retention periods and drops expired ones, at most: a
+/// quarter of a period, so a new period exists well before the first id that needs it.
+const RETENTION_EVERY: Duration = Duration::from_secs(60);
+
+/// Makes the next periods, and, with a retention, exports (when asked) and drops each
+/// period that may go. Every failure is logged and tried again next round; a period whose
+/// export failed is not dropped.
+async fn retention_round(store: &z29c_store::Store, config: &config::RetentionConfig) {
+    if let Err(e) = store.cover_ahead(config.period).await {
+        tracing::warn!(error = %e, "making the next retention period failed");
+    }
+    let Some(keep) = config.keep else {
+        return;
+    };
+    let expired = match store.expired_periods(keep).await {
+        Ok(expired) => expired,
+        Err(e) => {
+            tracing::warn!(error = %e, "listing expired retention periods failed");
+            return;
+        }
+    };
+    for period in expired {
+        let exported_to = match &config.export_dir {
+            Some(dir) => match store.export_period(&period, dir).await {
+                Ok(files) => {
+                    let bytes: u64 = files.iter().map(|f| f.bytes).sum();
+                    tracing::info!(period = %period.suffix, files = files.len(), bytes,
+                                   dir = %dir.display(), "period exported");
+                    Some(dir.display().to_string())
+                }
+                Err(e) => {
+                    tracing::warn!(period = %period.suffix, error = %e,
+                                   "export failed; the period is kept");
+                    continue;
+                }
+            },
+            None => None,
+        };
+        match store
+            .drop_period(&period.suffix, keep, exported_to.as_deref())
+            .await
+        {
+            Ok(Some(removed)) => {
+                tracing::info!(period = %period.suffix, %removed, "retention period dropped");
+            }
+            Ok(None) => {
+                tracing::debug!(period = %period.suffix, "period not droppable after all");
+            }
+            Err(e) => tracing::warn!(period = %period.suffix, error = %e,
+                                     "dropping a retention period failed"),
+        }
+    }
+}
 
 /// Runs recovery and its `ReviewService` until `shutdown` is cancelled. `ready` receives the
 /// review service's address.
@@ -32,7 +92,10 @@ pub async fn run(
 ) -> anyhow::Result<()> {
     let owner = OwnerId::parse(config.id.clone()).context("recovery id")?;
     let store = config.shared.store(config.max_connections).await?;
-    let bus = config.shared.bus().await?;
+    let bus = config
+        .shared
+        .bus(z29c_core::identity::ServiceRole::Recovery)
+        .await?;
     let health = z29c_runtime::health(
         "z29c.v1.ReviewService",
         config.health_listen,
@@ -61,12 +124,13 @@ pub async fn run(
     let server = tokio::spawn(
         z29c_runtime::server::builder(&config.tls, &config.grpc)?
             .add_service(health)
-            .add_service(
+            .add_service(InterceptedService::new(
                 z29c_proto::v1::review_service_server::ReviewServiceServer::new(
                     review::Reviews::new(store.clone(), guard),
                 )
                 .max_decoding_message_size(config.max_request_bytes),
-            )
+                RoleCheck::new(Server::Reviews, &config.tls)?,
+            ))
             .serve_with_incoming_shutdown(
                 tokio_stream::wrappers::TcpListenerStream::new(listener),
                 shutdown.clone().cancelled_owned(),
@@ -76,6 +140,22 @@ pub async fn run(
     if let Some(ready) = ready {
         let _ = ready.send(addr);
     }
+    let mut storage_read: Option<std::time::Instant> = None;
+    // on a task of its own: an export of a large period must not hold up recovery
+    let retention = {
+        let (store, retention, shutdown) =
+            (store.clone(), config.retention.clone(), shutdown.clone());
+        tokio::spawn(async move {
+            let every = RETENTION_EVERY.min(retention.period / 4);
+            while !shutdown.is_cancelled() {
+                retention_round(&store, &retention).await;
+                tokio::select! {
+                    _ = shutdown.cancelled() => {}
+                    _ = tokio::time::sleep(every) => {}
+                }
+            }
+        })
+    };
     while !shutdown.is_cancelled() {
         match store.scan_expired(config.batch).await {
             Ok(expired) => {
@@ -104,11 +184,30 @@ pub async fn run(
                 gauge!(z29c_telemetry::WORKFLOWS, "state" => state).set(n as f64);
             }
         }
+        if storage_read.is_none_or(|t| t.elapsed() >= STORAGE_EVERY) {
+            storage_read = Some(std::time::Instant::now());
+            match store.storage().await {
+                Ok(storage) => {
+                    use z29c_telemetry::metrics::gauge;
+                    for (table, bytes) in storage.tables {
+                        gauge!(z29c_telemetry::STORAGE_TABLE_BYTES, "table" => table)
+                            .set(bytes as f64);
+                    }
+                    gauge!(z29c_telemetry::STORAGE_OLDEST_WORKFLOW_AGE).set(
+                        storage
+                            .oldest_workflow_age
+                            .map_or(0.0, |age| age.as_secs_f64()),
+                    );
+                }
+                Err(e) => tracing::warn!(error = %e, "reading table sizes failed"),
+            }
+        }
         tokio::select! {
             _ = shutdown.cancelled() => {}
             _ = tokio::time::sleep(Duration::from_millis(config.scan_ms)) => {}
         }
     }
+    retention.await?;
     server.await??;
     Ok(())
 }

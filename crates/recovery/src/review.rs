@@ -75,14 +75,24 @@ impl ReviewService for Reviews {
         } else {
             req.page_size.min(500)
         };
-        let items = self
+        let after = if req.page_token.is_empty() {
+            None
+        } else {
+            Some(Uuid::parse_str(&req.page_token).map_err(|_| {
+                Status::invalid_argument(format!(
+                    "page_token: {:?} is not a token this service gave out",
+                    req.page_token
+                ))
+            })?)
+        };
+        let page = self
             .store
-            .review_items(req.include_resolved, i64::from(size))
+            .review_page(req.include_resolved, i64::from(size), after)
             .await
             .map_err(status_from_store)?;
         Ok(Response::new(pb::ListReviewsResponse {
-            items: items.into_iter().map(to_wire).collect(),
-            next_page_token: String::new(),
+            items: page.items.into_iter().map(to_wire).collect(),
+            next_page_token: page.next.map(|id| id.to_string()).unwrap_or_default(),
         }))
     }
 

@@ -27,6 +27,9 @@ pub struct SharedConfig {
     /// TLS to NATS (with `tls://` URLs): CA for the server's certificate, and this process's
     /// certificate for servers that verify clients.
     pub nats_tls: TlsConfig,
+    /// How this service proves itself to NATS: its NKey seed file (`z29c nats-auth` writes
+    /// one per role, and the server's users). None: a server without users.
+    pub nats_auth: z29c_bus::auth::NatsAuth,
     /// NATS subject and stream prefix shared by one deployment.
     pub prefix: String,
     /// Where `/metrics` is served (Prometheus), if anywhere.
@@ -40,6 +43,7 @@ impl Default for SharedConfig {
                 .unwrap_or_else(|e| unreachable!("the default database URL is valid: {e}")),
             nats_url: "nats://127.0.0.1:4222".into(),
             nats_tls: TlsConfig::default(),
+            nats_auth: z29c_bus::auth::NatsAuth::default(),
             prefix: "z29c".into(),
             metrics_listen: None,
         }
@@ -48,19 +52,40 @@ impl Default for SharedConfig {
 
 impl SharedConfig {
     /// The service's pool of at most `max_connections` to PostgreSQL.
+    /// Warns, with the numbers, when the pool may want more sessions than the server has free.
     pub async fn store(&self, max_connections: u32) -> anyhow::Result<z29c_store::Store> {
         use anyhow::Context;
-        z29c_store::Store::connect(self.database_url.expose(), max_connections)
+        let store = z29c_store::Store::connect(self.database_url.expose(), max_connections)
             .await
-            .context("connect to PostgreSQL")
+            .context("connect to PostgreSQL")?;
+        match store.server_connections().await {
+            Ok(server) => {
+                if let Some(warning) =
+                    z29c_core::connections::pool_warning(max_connections, &server)
+                {
+                    tracing::warn!(pool = max_connections, "{warning}");
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "cannot read the server's connection limits"),
+        }
+        Ok(store)
     }
 
-    /// The service's connection to NATS, under the deployment's prefix.
-    pub async fn bus(&self) -> anyhow::Result<z29c_bus::Bus> {
+    /// The connection to NATS of the service `role`, under the deployment's prefix.
+    pub async fn bus(
+        &self,
+        role: z29c_core::identity::ServiceRole,
+    ) -> anyhow::Result<z29c_bus::Bus> {
         use anyhow::Context;
-        z29c_bus::Bus::connect_with(&self.nats_url, &self.prefix, &self.nats_tls)
-            .await
-            .context("connect to NATS")
+        z29c_bus::Bus::connect_as(
+            &self.nats_url,
+            &self.prefix,
+            &self.nats_tls,
+            Some(role),
+            &self.nats_auth,
+        )
+        .await
+        .context("connect to NATS")
     }
 }
 

@@ -5,9 +5,9 @@
 //! drift apart.
 //!
 //! With `tls` configured the listener requires a client certificate from the deployment's CA,
-//! as the gRPC port does: a process that reaches the port proves itself before it is heard.
+//! as the gRPC port does: a process that reaches the port proves itself before it is heard,
+//! and a certificate whose role may not call the workflow service is refused (403).
 
-use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -26,16 +26,19 @@ use axum::serve::{IncomingStream, Listener};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use tokio::net::TcpListener;
+use tokio_util::either::Either;
 use tokio_util::sync::CancellationToken;
 use tonic::Code;
 use tonic::metadata::MetadataMap;
 use tonic::transport::server::TcpConnectInfo;
 use z29c_core::ProductState;
+use z29c_core::identity::{Server, ServiceRole};
 use z29c_proto::v1::workflow_service_server::WorkflowService;
 use z29c_proto::v1::{self as pb};
 use z29c_proto::workflow_file::WorkflowFile;
 use z29c_runtime::https::{HttpsConfig, Incoming};
 use z29c_security::TlsConfig;
+use z29c_security::identity::peer_roles;
 
 /// The longest `?wait=` a read holds its answer back for the workflow to end.
 pub const MAX_WAIT: Duration = Duration::from_secs(60);
@@ -365,9 +368,15 @@ struct Credentials {
 }
 
 impl<S: Send + Sync> FromRequestParts<S> for Credentials {
-    type Rejection = Infallible;
+    type Rejection = ApiError;
 
+    /// Refuses a TLS caller whose certificate names no role the workflow service accepts, as
+    /// the gRPC server does.
     async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Self::Rejection> {
+        let peer = parts.extensions.get::<ConnectInfo<Peer>>().map(|c| &c.0);
+        if let Some(roles) = peer.and_then(|p| p.roles.as_deref()) {
+            z29c_security::identity::admit(Server::Workflows, roles)?;
+        }
         let mut headers = HeaderMap::new();
         for name in [header::AUTHORIZATION.as_str(), "traceparent", "tracestate"] {
             if let Some(value) = parts.headers.get(name) {
@@ -376,10 +385,7 @@ impl<S: Send + Sync> FromRequestParts<S> for Credentials {
         }
         Ok(Self {
             metadata: MetadataMap::from_headers(headers),
-            peer: parts
-                .extensions
-                .get::<ConnectInfo<Peer>>()
-                .map(|ConnectInfo(Peer(addr))| *addr),
+            peer: peer.map(|p| p.addr),
         })
     }
 }
@@ -625,13 +631,30 @@ async fn cancel<S: WorkflowService>(
     Ok(workflow_answer(StatusCode::OK, &workflow))
 }
 
-/// The address a request came from, kept for the guard.
-#[derive(Debug, Clone, Copy)]
-struct Peer(SocketAddr);
+/// Who is on the other end of a connection: its address, and over TLS the roles its
+/// certificate names; the address is kept for the guard.
+#[derive(Debug, Clone)]
+struct Peer {
+    addr: SocketAddr,
+    roles: Option<Vec<ServiceRole>>,
+}
 
 impl Connected<IncomingStream<'_, Incoming>> for Peer {
     fn connect_info(stream: IncomingStream<'_, Incoming>) -> Self {
-        Peer(*stream.remote_addr())
+        let roles = match stream.io() {
+            Either::Left(_) => None,
+            Either::Right(tls) => Some(
+                tls.get_ref()
+                    .1
+                    .peer_certificates()
+                    .map(peer_roles)
+                    .unwrap_or_default(),
+            ),
+        };
+        Peer {
+            addr: *stream.remote_addr(),
+            roles,
+        }
     }
 }
 

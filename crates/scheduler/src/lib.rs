@@ -23,7 +23,10 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use tokio_util::sync::CancellationToken;
+use tonic::service::interceptor::InterceptedService;
+use z29c_core::identity::Server;
 use z29c_proto::v1::workflow_service_server::WorkflowServiceServer;
+use z29c_security::identity::RoleCheck;
 use z29c_store::Store;
 
 pub use config::SchedulerConfig;
@@ -40,9 +43,15 @@ pub async fn run(
     }
     let store = config.shared.store(config.max_connections).await?;
     if config.migrate {
-        store.migrate().await.context("apply migrations")?;
+        store.migrate().await.context(
+            "apply migrations (only the tables' owner may: a scheduler that connects as a \
+             role in z29c_service runs with migrate = false, after `z29c migrate` as the owner)",
+        )?;
     }
-    let bus = config.shared.bus().await?;
+    let bus = config
+        .shared
+        .bus(z29c_core::identity::ServiceRole::Scheduler)
+        .await?;
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .with_context(|| format!("bind {}", config.listen))?;
@@ -118,10 +127,11 @@ pub async fn run(
     }
     z29c_runtime::server::builder(&config.tls, &config.grpc)?
         .add_service(health)
-        .add_service(
+        .add_service(InterceptedService::new(
             WorkflowServiceServer::from_arc(service)
                 .max_decoding_message_size(config.max_request_bytes),
-        )
+            RoleCheck::new(Server::Workflows, &config.tls)?,
+        ))
         .serve_with_incoming_shutdown(
             tokio_stream::wrappers::TcpListenerStream::new(listener),
             shutdown.cancelled(),

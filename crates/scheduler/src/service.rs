@@ -656,7 +656,12 @@ impl WorkflowService for Workflows {
                 if finished {
                     return;
                 }
-                tokio::time::sleep(Duration::from_millis(200)).await;
+                // a watcher that went away (a workflow in review may wait for days) stops
+                // the polling at once
+                tokio::select! {
+                    _ = tx.closed() => return,
+                    _ = tokio::time::sleep(Duration::from_millis(200)) => {}
+                }
             }
         });
         Ok(Response::new(Box::pin(

@@ -1,5 +1,6 @@
 //! A throwaway CA for `z29c dev` and the test harness: one CA, and for each member a key and a
-//! certificate valid as server and as client for `localhost` and `127.0.0.1`. Production takes
+//! certificate valid as server and as client for `localhost` and `127.0.0.1`, naming the
+//! member's role (URI SAN `spiffe://z29c/<member>`) when the member is named after one. Production takes
 //! its certificates from files instead ([`crate::TlsConfig`]).
 
 use std::path::{Path, PathBuf};
@@ -7,8 +8,9 @@ use std::path::{Path, PathBuf};
 use anyhow::Context;
 use rcgen::{
     BasicConstraints, CertificateParams, CertifiedIssuer, DnType, ExtendedKeyUsagePurpose, IsCa,
-    KeyPair, KeyUsagePurpose,
+    KeyPair, KeyUsagePurpose, SanType,
 };
+use z29c_core::identity::ServiceRole;
 
 use crate::TlsConfig;
 
@@ -38,6 +40,11 @@ impl DevPki {
             let mut params =
                 CertificateParams::new(vec!["localhost".to_owned(), "127.0.0.1".to_owned()])?;
             params.distinguished_name.push(DnType::CommonName, *member);
+            if let Ok(role) = member.parse::<ServiceRole>() {
+                params
+                    .subject_alt_names
+                    .push(SanType::URI(role.uri().try_into()?));
+            }
             params.extended_key_usages = vec![
                 ExtendedKeyUsagePurpose::ServerAuth,
                 ExtendedKeyUsagePurpose::ClientAuth,

@@ -126,7 +126,7 @@ pub(crate) async fn open_review(
         "INSERT INTO review_items (id, step_id, workflow_id, request_identity, reason)
          SELECT $1, s.id, s.workflow_id, s.request_identity, $3 FROM steps s
          WHERE s.id = $2 AND s.workflow_id = $4
-         ON CONFLICT (step_id) WHERE state = 'open' DO NOTHING",
+         ON CONFLICT (step_id, workflow_id) WHERE state = 'open' DO NOTHING",
     )
     .bind(id)
     .bind(step)

@@ -41,6 +41,10 @@ pub enum StoreError {
     /// A stored value did not parse into its domain type: the schema and the code disagree.
     #[error("corrupt stored value: {0}")]
     Corrupt(String),
+    /// A file could not be written (an export of a period before its drop). Nothing was
+    /// dropped.
+    #[error("{0}")]
+    Io(String),
     /// Applying migrations failed.
     #[error("migration failed: {0}")]
     Migrate(#[from] sqlx::migrate::MigrateError),
@@ -89,9 +93,11 @@ impl From<sqlx::Error> for StoreError {
                     field: db.constraint().unwrap_or("input").to_owned(),
                     reason: db.message().to_owned(),
                 },
-                // serialization_failure, deadlock_detected, admin/crash shutdown, cannot connect
+                // serialization_failure, deadlock_detected, lock_not_available (a table kept
+                // busy while a retention period is made), admin/crash shutdown, cannot connect
                 Some(
-                    "40001" | "40P01" | "57P01" | "57P02" | "57P03" | "08000" | "08003" | "08006",
+                    "40001" | "40P01" | "55P03" | "57P01" | "57P02" | "57P03" | "08000" | "08003"
+                    | "08006",
                 ) => Self::Transient(e),
                 _ => Self::Database(e),
             },

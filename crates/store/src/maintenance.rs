@@ -20,6 +20,15 @@ pub struct Table {
     pub health: TableHealth,
 }
 
+/// What the database keeps, for people to watch grow ([`Store::storage`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Storage {
+    /// Bytes on disk of each z29c table, its indexes and TOAST included, by table name.
+    pub tables: Vec<(String, i64)>,
+    /// How long ago the oldest workflow still kept was submitted; none without workflows.
+    pub oldest_workflow_age: Option<Duration>,
+}
+
 /// One table vacuumed by [`Store::vacuum_neglected`].
 #[derive(Debug, Clone, PartialEq)]
 pub struct Vacuumed {
@@ -72,6 +81,33 @@ impl Store {
                 },
             })
             .collect())
+    }
+
+    /// The bytes each z29c table holds and the age of the oldest workflow kept: what
+    /// retention has to keep flat.
+    pub async fn storage(&self) -> Result<Storage> {
+        let tables = sqlx::query_as(
+            // a partitioned table's bytes are its partitions'
+            "SELECT coalesce(pg_partition_root(c.oid), c.oid)::regclass::text AS name,
+                    sum(pg_total_relation_size(c.oid))::bigint
+             FROM pg_class c
+             WHERE c.relkind = 'r' AND c.relnamespace = 'public'::regnamespace
+               AND c.relname <> '_sqlx_migrations'
+             GROUP BY 1
+             ORDER BY 1",
+        )
+        .fetch_all(&self.pool)
+        .await?;
+        // the index on `created_at` finds the oldest without a scan
+        let age: Option<f64> = sqlx::query_scalar(
+            "SELECT extract(epoch FROM now() - min(created_at))::float8 FROM workflows",
+        )
+        .fetch_one(&self.pool)
+        .await?;
+        Ok(Storage {
+            tables,
+            oldest_workflow_age: age.map(|s| Duration::from_secs_f64(s.max(0.0))),
+        })
     }
 
     /// Vacuums (and analyses) each table of z29c's schema that no autovacuum will visit and

@@ -163,6 +163,7 @@ impl Store {
     /// Takes a permit if a slot below the limit is free: gateways racing for the last one
     /// lock different slots or none, never the same one twice.
     pub async fn acquire_permit(&self, req: &PermitRequest<'_>) -> Result<Permit> {
+        self.cover_now().await?;
         let mut conn = self.pool.acquire().await?;
         acquire_permit_in(&mut conn, req).await
     }
@@ -185,6 +186,7 @@ impl Store {
         req: &PermitRequest<'_>,
         ended: &[EndedPermit],
     ) -> Result<(Permit, i64)> {
+        self.cover_now().await?;
         let mut tx = self.begin().await?;
         let out = begin_invocation_with_permit_in(&mut tx, claim, req, ended).await?;
         tx.commit().await?;

@@ -17,6 +17,14 @@ use crate::leases::{Observed, finish_step};
 use crate::outbox::{self, MessageKind};
 use crate::{Result, Store, StoreError, fence};
 
+/// One page of the review queue ([`Store::review_page`]).
+#[derive(Debug, Clone)]
+pub struct ReviewPage {
+    pub items: Vec<ReviewItem>,
+    /// The item to continue after; none on the last page.
+    pub next: Option<Uuid>,
+}
+
 /// An item of the review queue.
 #[derive(Debug, Clone, Serialize, sqlx::FromRow)]
 pub struct ReviewItem {
@@ -114,18 +122,44 @@ impl Store {
         include_resolved: bool,
         limit: i64,
     ) -> Result<Vec<ReviewItem>> {
-        let items = sqlx::query_as(
+        Ok(self.review_page(include_resolved, limit, None).await?.items)
+    }
+
+    /// One page of the review queue, newest first: at most `limit` items after item `after`
+    /// (the last of the previous page), and the item to continue after when more remain.
+    pub async fn review_page(
+        &self,
+        include_resolved: bool,
+        limit: i64,
+        after: Option<Uuid>,
+    ) -> Result<ReviewPage> {
+        let limit = limit.max(1);
+        let mut items: Vec<ReviewItem> = sqlx::query_as(
             "SELECT r.id, r.workflow_id, r.step_id, s.name AS step_name, r.request_identity,
                     r.reason, r.state, r.version, r.created_at
              FROM review_items r JOIN steps s ON s.id = r.step_id
-             WHERE $1 OR r.state = 'open'
-             ORDER BY r.created_at DESC, r.id DESC LIMIT $2",
+             WHERE ($1 OR r.state = 'open')
+               AND ($3::uuid IS NULL
+                    OR (r.created_at, r.id) < (SELECT p.created_at, p.id
+                                               FROM review_items p WHERE p.id = $3))
+             ORDER BY r.created_at DESC, r.id DESC LIMIT $2 + 1",
         )
         .bind(include_resolved)
         .bind(limit)
+        .bind(after)
         .fetch_all(&self.pool)
         .await?;
-        self.with_evidence(items).await
+        let more = items.len() as i64 > limit;
+        items.truncate(limit as usize);
+        let next = if more {
+            items.last().map(|i| i.id)
+        } else {
+            None
+        };
+        Ok(ReviewPage {
+            items: self.with_evidence(items).await?,
+            next,
+        })
     }
 
     pub async fn review_item(&self, id: Uuid) -> Result<ReviewItem> {
@@ -503,8 +537,8 @@ async fn close_and_audit(
     .await?;
     sqlx::query(
         "INSERT INTO review_resolutions (id, item_id, step_id, resolved_by, resolution,
-             external_reference, reason, prior_state, prior_version)
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
+             external_reference, reason, prior_state, prior_version, workflow_id)
+         SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9, s.workflow_id FROM steps s WHERE s.id = $3",
     )
     .bind(Uuid::now_v7())
     .bind(item)

@@ -427,8 +427,8 @@ impl Store {
     ///
     /// A new workflow is written by one statement, in one round trip and one commit: the
     /// workflow, its steps, their dependencies and the ready steps' `step.ready` messages
-    /// (data-modifying CTEs; the foreign keys are checked at the statement's end, when all are
-    /// in). Its answer, [`Submitted::detail`], is built from what was written, not read back.
+    /// (data-modifying CTEs; the references between them are checked at the statement's end,
+    /// when all are in). Its answer, [`Submitted::detail`], is built from what was written, not read back.
     pub async fn submit_workflow(
         &self,
         wf: &NewWorkflow,
@@ -466,11 +466,14 @@ impl Store {
     /// answered from it even when the submission could no longer be accepted anew.
     pub async fn earlier_submission(&self, prepared: &Prepared) -> Result<Option<Submitted>> {
         let key = prepared.client_key().as_str();
-        let row: Option<(Uuid, String)> =
-            sqlx::query_as("SELECT id, submission_digest FROM workflows WHERE client_key = $1")
-                .bind(key)
-                .fetch_optional(&self.pool)
-                .await?;
+        let row: Option<(Uuid, String)> = sqlx::query_as(
+            "SELECT w.id, w.submission_digest
+                 FROM workflow_keys k JOIN workflows w ON w.id = k.workflow_id
+                 WHERE k.client_key = $1",
+        )
+        .bind(key)
+        .fetch_optional(&self.pool)
+        .await?;
         let Some((existing, existing_digest)) = row else {
             return Ok(None);
         };
@@ -579,19 +582,28 @@ impl Store {
                 }));
             }
         }
+        self.cover_ids(ids.iter().copied()).await?;
         // steps, dependencies and messages are written for the workflows the first insert
         // took: a taken key writes nothing else
         let created: Vec<(Uuid, DateTime<Utc>)> = sqlx::query_as(
-            "WITH w AS (
+            "WITH x AS (
+                 SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[],
+                                      $5::timestamptz[], $6::text[])
+                     WITH ORDINALITY AS x (id, client_key, digest, name, deadline,
+                                           trace_context, n)
+             ), k AS (
+                 -- a client key is unique across the partitions of workflows, so it is taken
+                 -- in a table of its own
+                 INSERT INTO workflow_keys (client_key, workflow_id)
+                 SELECT x.client_key, x.id FROM x ORDER BY x.n
+                 ON CONFLICT (client_key) DO NOTHING
+                 RETURNING workflow_id
+             ), w AS (
                  INSERT INTO workflows (id, client_key, submission_digest, name, deadline,
                                         trace_context)
                  SELECT x.id, x.client_key, x.digest, x.name, x.deadline, x.trace_context
-                 FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[],
-                             $5::timestamptz[], $6::text[])
-                     WITH ORDINALITY AS x (id, client_key, digest, name, deadline,
-                                           trace_context, n)
+                 FROM x JOIN k ON k.workflow_id = x.id
                  ORDER BY x.n
-                 ON CONFLICT (client_key) DO NOTHING
                  RETURNING id, trace_context, created_at
              ), s AS (
                  INSERT INTO steps (id, workflow_id, name, position, adapter, operation, input,
@@ -614,8 +626,8 @@ impl Store {
                      retry_policy jsonb, input_template jsonb)
                  JOIN w ON w.id = x.workflow_id
              ), d AS (
-                 INSERT INTO step_dependencies (step_id, depends_on)
-                 SELECT x.step_id, x.depends_on
+                 INSERT INTO step_dependencies (step_id, depends_on, workflow_id)
+                 SELECT x.step_id, x.depends_on, x.workflow_id
                  FROM unnest($8::uuid[], $9::uuid[], $10::uuid[])
                      AS x(step_id, depends_on, workflow_id)
                  JOIN w ON w.id = x.workflow_id

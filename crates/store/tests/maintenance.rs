@@ -15,10 +15,7 @@ use z29c_store::{MIGRATOR, Store};
 /// 56. Autovacuum is turned off for `steps` alone, so that whatever the server's setting, no
 /// autovacuum will visit it.
 async fn dead_steps(store: &Store, pool: &PgPool) -> Table {
-    sqlx::query("ALTER TABLE steps SET (autovacuum_enabled = false)")
-        .execute(pool)
-        .await
-        .unwrap();
+    let steps = without_autovacuum(pool, "steps").await;
     let names: Vec<String> = (0..100).map(|i| format!("s{i}")).collect();
     for w in 0..3 {
         let steps = names.iter().map(|n| step(n, &[])).collect();
@@ -34,14 +31,14 @@ async fn dead_steps(store: &Store, pool: &PgPool) -> Table {
     // or so: once they show the updates, a second more for the last of them
     let until = Instant::now() + Duration::from_secs(20);
     loop {
-        let steps = health_of(store, "steps").await;
-        if steps.health.dead >= 300 {
+        let health = health_of(store, &steps).await;
+        if health.health.dead >= 300 {
             tokio::time::sleep(Duration::from_millis(1_500)).await;
-            return health_of(store, "steps").await;
+            return health_of(store, &steps).await;
         }
         assert!(
             Instant::now() < until,
-            "the statistics never showed the dead rows: {steps:?}"
+            "the statistics never showed the dead rows: {health:?}"
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
@@ -57,12 +54,13 @@ async fn health_of(store: &Store, table: &str) -> Table {
         .unwrap_or_else(|| panic!("no statistics for {table}"))
 }
 
-/// `(dead rows, vacuumed by hand, analysed by hand)` of `steps` now.
+/// `(dead rows, vacuumed by hand, analysed by hand)` of the steps' partition now.
 async fn steps_stats(pool: &PgPool) -> (i64, bool, bool) {
     sqlx::query_as(
         "SELECT n_dead_tup, last_vacuum IS NOT NULL, last_analyze IS NOT NULL
-         FROM pg_stat_user_tables WHERE relname = 'steps'",
+         FROM pg_stat_user_tables WHERE relname = $1",
     )
+    .bind(current_partition(pool, "steps").await)
     .fetch_one(pool)
     .await
     .unwrap()
@@ -72,6 +70,7 @@ async fn steps_stats(pool: &PgPool) -> (i64, bool, bool) {
 async fn a_table_no_autovacuum_visits_is_vacuumed_once_past_its_threshold(pool: PgPool) {
     let store = Store::from_pool(pool.clone());
     let steps = dead_steps(&store, &pool).await;
+    let partition = steps.name.clone();
     // the table's own settings, from the migrations; the server's where the table has none
     let (server_on, server_scale): (bool, f64) = sqlx::query_as(
         "SELECT current_setting('autovacuum')::bool AND current_setting('track_counts')::bool,
@@ -83,7 +82,7 @@ async fn a_table_no_autovacuum_visits_is_vacuumed_once_past_its_threshold(pool: 
     assert!(!steps.health.autovacuum, "{steps:?}");
     assert_eq!(steps.health.scale, 0.02);
     assert!(steps.health.needs_our_vacuum(), "{steps:?}");
-    let workflows = health_of(&store, "workflows").await;
+    let workflows = health_of(&store, &current_partition(&pool, "workflows").await).await;
     assert_eq!(workflows.health.scale, server_scale);
     assert_eq!(workflows.health.autovacuum, server_on);
     assert_eq!(steps_stats(&pool).await, (steps.health.dead, false, false));
@@ -95,7 +94,7 @@ async fn a_table_no_autovacuum_visits_is_vacuumed_once_past_its_threshold(pool: 
         .expect("no one else vacuums");
     let vacuumed = done
         .iter()
-        .find(|v| v.table == "steps")
+        .find(|v| v.table == partition)
         .unwrap_or_else(|| panic!("steps not vacuumed: {done:?}"));
     assert!(vacuumed.dead >= 300, "{vacuumed:?}");
     let (dead, vacuumed, analysed) = steps_stats(&pool).await;
@@ -110,16 +109,13 @@ async fn a_table_no_autovacuum_visits_is_vacuumed_once_past_its_threshold(pool: 
     );
     // nothing is past its threshold any more: the next round vacuums nothing
     let again = store.vacuum_neglected().await.unwrap().unwrap();
-    assert!(again.iter().all(|v| v.table != "steps"), "{again:?}");
+    assert!(again.iter().all(|v| v.table != partition), "{again:?}");
 }
 
 #[sqlx::test(migrator = "MIGRATOR")]
 async fn a_table_under_its_threshold_is_not_vacuumed(pool: PgPool) {
     let store = Store::from_pool(pool.clone());
-    sqlx::query("ALTER TABLE steps SET (autovacuum_enabled = false)")
-        .execute(&pool)
-        .await
-        .unwrap();
+    let partition = without_autovacuum(&pool, "steps").await;
     let names: Vec<String> = (0..100).map(|i| format!("s{i}")).collect();
     let steps = names.iter().map(|n| step(n, &[])).collect();
     submit(&store, &workflow("few-dead", steps)).await;
@@ -129,16 +125,21 @@ async fn a_table_under_its_threshold_is_not_vacuumed(pool: PgPool) {
         .await
         .unwrap();
     let until = Instant::now() + Duration::from_secs(20);
-    while health_of(&store, "steps").await.health.dead < 40 {
+    while health_of(&store, &partition).await.health.dead < 40 {
         assert!(
             Instant::now() < until,
             "the statistics never showed the dead rows"
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    assert!(!health_of(&store, "steps").await.health.needs_our_vacuum());
+    assert!(
+        !health_of(&store, &partition)
+            .await
+            .health
+            .needs_our_vacuum()
+    );
     let done = store.vacuum_neglected().await.unwrap().unwrap();
-    assert!(done.iter().all(|v| v.table != "steps"), "{done:?}");
+    assert!(done.iter().all(|v| v.table != partition), "{done:?}");
     assert_eq!(steps_stats(&pool).await, (40, false, false));
 }
 
@@ -162,5 +163,45 @@ async fn one_instance_vacuums_a_database_at_a_time(pool: PgPool) {
         .unwrap();
     drop(other);
     let done = store.vacuum_neglected().await.unwrap().unwrap();
-    assert!(done.iter().any(|v| v.table == "steps"), "{done:?}");
+    assert!(done.iter().any(|v| v.table == steps.name), "{done:?}");
+}
+
+#[sqlx::test(migrator = "MIGRATOR")]
+async fn storage_names_every_table_and_the_oldest_workflow(pool: PgPool) {
+    let store = Store::from_pool(pool);
+    let empty = store.storage().await.unwrap();
+    assert_eq!(empty.oldest_workflow_age, None);
+    let names: Vec<&str> = empty.tables.iter().map(|(t, _)| t.as_str()).collect();
+    for table in [
+        "workflows",
+        "steps",
+        "attempts",
+        "step_receipts",
+        "audit_log",
+    ] {
+        assert!(names.contains(&table), "{table}: {names:?}");
+    }
+    assert!(!names.contains(&"_sqlx_migrations"));
+    let bytes = |s: &z29c_store::maintenance::Storage, t: &str| {
+        s.tables
+            .iter()
+            .find(|(n, _)| n == t)
+            .map(|(_, b)| *b)
+            .unwrap()
+    };
+    for i in 0..50 {
+        submit(
+            &store,
+            &workflow(&format!("size-{i}"), vec![step("only", &[])]),
+        )
+        .await;
+    }
+    let full = store.storage().await.unwrap();
+    assert!(full.oldest_workflow_age.is_some());
+    assert!(
+        bytes(&full, "steps") > bytes(&empty, "steps"),
+        "{} then {}",
+        bytes(&empty, "steps"),
+        bytes(&full, "steps")
+    );
 }

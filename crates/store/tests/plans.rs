@@ -10,7 +10,10 @@ use z29c_store::{MIGRATOR, Store};
 /// Blocks the plan's scans of `relation` touched, cache hits and reads, over every node
 /// (subplans included).
 fn blocks_of(node: &serde_json::Value, relation: &str) -> i64 {
-    let own = if node["Relation Name"] == relation {
+    let own = if node["Relation Name"]
+        .as_str()
+        .is_some_and(|r| is_part_of(r, relation))
+    {
         node["Shared Hit Blocks"].as_i64().unwrap() + node["Shared Read Blocks"].as_i64().unwrap()
     } else {
         0
@@ -37,7 +40,7 @@ async fn claims_do_not_read_finished_history(pool: PgPool) {
     .unwrap();
     sqlx::query(
         "INSERT INTO workflows (id, client_key, submission_digest, name, state, ended_at)
-         SELECT gen_random_uuid(), 'ended-' || g, submission_digest, name, state, ended_at
+         SELECT z29c_uuid_v7(), 'ended-' || g, submission_digest, name, state, ended_at
          FROM workflows, generate_series(1, 3000) g WHERE client_key = 'ended-0'",
     )
     .execute(&pool)
@@ -204,28 +207,26 @@ async fn flush_statistics(one: &PgPool) {
         .unwrap();
 }
 
-/// Sequential scans of `table` so far, as PostgreSQL's statistics count them.
+/// Rows sequential scans of `table` (its partitions) have read so far, as PostgreSQL's
+/// statistics count them (an empty partition's scan reads none).
 async fn seq_scans(pool: &PgPool, table: &str) -> i64 {
-    sqlx::query_scalar("SELECT seq_scan FROM pg_stat_user_tables WHERE relname = $1")
-        .bind(table)
-        .fetch_one(pool)
-        .await
-        .unwrap()
+    sqlx::query_scalar(
+        "SELECT coalesce(sum(seq_tup_read), 0)::bigint FROM pg_stat_user_tables
+         WHERE relid IN (SELECT relid FROM pg_partition_tree($1::regclass))",
+    )
+    .bind(table)
+    .fetch_one(pool)
+    .await
+    .unwrap()
 }
 
 #[sqlx::test(migrator = "MIGRATOR")]
 async fn workflow_reads_walk_indexes_whatever_plan_their_connection_cached(pool: PgPool) {
     const TABLES: [&str; 4] = ["workflows", "steps", "attempts", "step_receipts"];
     // no analyze in between: a fresh database, as every submission's answer first reads it
-    sqlx::raw_sql(
-        "ALTER TABLE workflows SET (autovacuum_enabled = false);
-         ALTER TABLE steps SET (autovacuum_enabled = false);
-         ALTER TABLE attempts SET (autovacuum_enabled = false);
-         ALTER TABLE step_receipts SET (autovacuum_enabled = false);",
-    )
-    .execute(&pool)
-    .await
-    .unwrap();
+    for table in TABLES {
+        without_autovacuum(&pool, table).await;
+    }
     // one connection: its plan cache is the one every read below goes through
     let (one, store) = one_connection(&pool).await;
     // a step with an attempt and a receipt, so every join has a row to join
@@ -246,7 +247,7 @@ async fn workflow_reads_walk_indexes_whatever_plan_their_connection_cached(pool:
     // then they grow: 3,000 more workflows, each with its step, attempt and receipt
     sqlx::query(
         "WITH w AS (INSERT INTO workflows (id, client_key, submission_digest, name)
-                    SELECT gen_random_uuid(), 'more-' || g, repeat('a', 64), 'w'
+                    SELECT z29c_uuid_v7(), 'more-' || g, repeat('a', 64), 'w'
                     FROM generate_series(1, 3000) g RETURNING id),
               s AS (INSERT INTO steps (id, workflow_id, name, position, adapter, operation,
                         input, input_digest, lease_ms, renew_every_ms, attempt_deadline_ms,
@@ -304,20 +305,21 @@ async fn workflow_reads_walk_indexes_whatever_plan_their_connection_cached(pool:
 #[sqlx::test(migrator = "MIGRATOR")]
 async fn the_deadline_sweep_reads_the_overdue_workflows_not_every_workflow(pool: PgPool) {
     let (one, store) = one_connection(&pool).await;
+    current_partition(&pool, "workflows").await;
     // 5,000 workflows that ended long ago (their deadlines passed too), three running and
     // overdue, two running with time left
     sqlx::raw_sql(
         "INSERT INTO workflows (id, client_key, submission_digest, name, state, deadline,
                                 ended_at)
-         SELECT gen_random_uuid(), 'ended-' || g, repeat('a', 64), 'w', 'completed',
+         SELECT z29c_uuid_v7(), 'ended-' || g, repeat('a', 64), 'w', 'completed',
                 now() - interval '1 day', now()
          FROM generate_series(1, 5000) g;
          INSERT INTO workflows (id, client_key, submission_digest, name, deadline)
-         SELECT gen_random_uuid(), 'late-' || g, repeat('a', 64), 'w',
+         SELECT z29c_uuid_v7(), 'late-' || g, repeat('a', 64), 'w',
                 now() - g * interval '1 minute'
          FROM generate_series(1, 3) g;
          INSERT INTO workflows (id, client_key, submission_digest, name, deadline)
-         SELECT gen_random_uuid(), 'early-' || g, repeat('a', 64), 'w', now() + interval '1 hour'
+         SELECT z29c_uuid_v7(), 'early-' || g, repeat('a', 64), 'w', now() + interval '1 hour'
          FROM generate_series(1, 2) g;
          ANALYZE workflows;",
     )
@@ -407,4 +409,31 @@ async fn keys_made_in_sql_are_time_ordered_so_their_indexes_grow_at_one_edge(poo
         let (_, id) = m.split_at(m.len() - 36);
         within(id.parse().unwrap(), "an outbox msg_id");
     }
+}
+
+#[sqlx::test(migrator = "MIGRATOR")]
+async fn sessions_keep_generic_plans_and_never_compile_one(pool: PgPool) {
+    let url = sqlx::ConnectOptions::to_url_lossy(&*pool.connect_options());
+    let store = Store::connect(url.as_ref(), 1).await.unwrap();
+    for (setting, want) in [("plan_cache_mode", "force_generic_plan"), ("jit", "off")] {
+        let got: String = sqlx::query_scalar("SELECT current_setting($1)")
+            .bind(setting)
+            .fetch_one(store.pool())
+            .await
+            .unwrap();
+        assert_eq!(got, want, "{setting} of a store's session");
+    }
+    // a plan costed far over the JIT threshold, as a generic plan's guesses can be, is run
+    // as it is (a server built without JIT plans none either way)
+    let plan: serde_json::Value = sqlx::query_scalar(
+        "EXPLAIN (FORMAT JSON) SELECT count(*) FROM generate_series(1, 1000000) a,
+                                                    generate_series(1, 1000) b",
+    )
+    .fetch_one(store.pool())
+    .await
+    .unwrap();
+    let cost = plan[0]["Plan"]["Total Cost"].as_f64().unwrap();
+    assert!(cost > 100_000.0, "the plan is costed at {cost}");
+    assert!(plan[0].get("JIT").is_none(), "a plan was compiled: {plan}");
+    store.pool().close().await;
 }

@@ -117,3 +117,33 @@ async fn a_failed_resolution_fails_the_step_with_a_manual_receipt(pool: PgPool) 
         z29c_core::Outcome::Failed
     );
 }
+
+#[sqlx::test(migrator = "MIGRATOR")]
+async fn the_review_queue_pages_newest_first_without_repeats_or_gaps(pool: PgPool) {
+    let store = Store::from_pool(pool.clone());
+    let mut opened = Vec::new();
+    for i in 0..5 {
+        let c = claimed_single(&store, &format!("page-{i}"), "worker-a").await;
+        invoke(&store, &c).await;
+        opened.push(sent_to_review(&store, &pool, &c).await.id);
+    }
+    let mut seen = Vec::new();
+    let mut sizes = Vec::new();
+    let mut after = None;
+    loop {
+        let page = store.review_page(false, 2, after).await.unwrap();
+        sizes.push(page.items.len());
+        seen.extend(page.items.iter().map(|i| i.id));
+        match page.next {
+            Some(next) => after = Some(next),
+            None => break,
+        }
+    }
+    assert_eq!(sizes, [2, 2, 1]);
+    opened.reverse();
+    assert_eq!(seen, opened, "newest first, each once");
+    // a page that ends exactly at the last item says so
+    let whole = store.review_page(false, 5, None).await.unwrap();
+    assert_eq!(whole.items.len(), 5);
+    assert_eq!(whole.next, None);
+}

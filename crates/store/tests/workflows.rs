@@ -918,7 +918,7 @@ async fn the_database_refuses_bad_values_where_they_enter(pool: PgPool) {
         ),
         (
             "INSERT INTO workflows (id, client_key, submission_digest, name)
-             VALUES (gen_random_uuid(), '', repeat('a', 64), $1::text)",
+             VALUES (z29c_uuid_v7(), '', repeat('a', 64), $1::text)",
             "client_key",
         ),
     ];
@@ -997,4 +997,27 @@ async fn a_steps_history_names_its_own_workflow(pool: PgPool) {
             .await
             .unwrap();
     assert_eq!(events, 1);
+    // and what history names is neither deleted nor moved to another workflow
+    for sql in [
+        "DELETE FROM steps WHERE workflow_id = $1 AND id = $2",
+        "UPDATE steps SET workflow_id = $1 WHERE id = $2",
+        "DELETE FROM attempts WHERE workflow_id = $1 AND step_id = $2",
+        "UPDATE attempts SET workflow_id = $1 WHERE step_id = $2",
+    ] {
+        match write(sql, wb, sb).await {
+            Err(StoreError::AppendOnly(m)) => assert!(m.contains("keep their keys"), "{m}"),
+            other => panic!("{sql}: {other:?}"),
+        }
+    }
+    match write(
+        "DELETE FROM workflows WHERE id = $1 AND $2::uuid IS NOT NULL",
+        wb,
+        sb,
+    )
+    .await
+    {
+        Err(StoreError::AppendOnly(_)) => {}
+        other => panic!("deleting a workflow: {other:?}"),
+    }
+    assert_eq!(step_of(wb).await, sb);
 }

@@ -48,6 +48,10 @@ pub const STEP_TIME_TO_MANUAL_RESOLUTION: &str = "z29c_step_time_to_manual_resol
 pub const STEP_DUPLICATE_REFERENCES: &str = "z29c_step_duplicate_external_references";
 /// Workflows by state (`running`, `completed`, `failed`, `cancelled`), labelled `state`.
 pub const WORKFLOWS: &str = "z29c_workflows";
+/// Bytes on disk of each z29c table with its indexes (`table` label).
+pub const STORAGE_TABLE_BYTES: &str = "z29c_storage_table_bytes";
+/// Age of the oldest workflow the database keeps.
+pub const STORAGE_OLDEST_WORKFLOW_AGE: &str = "z29c_storage_oldest_workflow_age_seconds";
 /// Calls the public services refused, labelled `service` and `outcome` (`unauthenticated`,
 /// `permission_denied`, `rate_limited`).
 pub const CALLS_REFUSED: &str = "z29c_calls_refused_total";
@@ -152,6 +156,16 @@ fn describe() {
         "external references named by more than one receipt"
     );
     metrics::describe_gauge!(WORKFLOWS, "workflows by state");
+    metrics::describe_gauge!(
+        STORAGE_TABLE_BYTES,
+        metrics::Unit::Bytes,
+        "bytes on disk of each z29c table, its indexes and TOAST included"
+    );
+    metrics::describe_gauge!(
+        STORAGE_OLDEST_WORKFLOW_AGE,
+        metrics::Unit::Seconds,
+        "how long ago the oldest workflow the database keeps was submitted"
+    );
     metrics::describe_counter!(
         CALLS_REFUSED,
         "calls refused: no or bad credentials, no role, over the rate"

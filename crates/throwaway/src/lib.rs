@@ -314,16 +314,33 @@ pub struct PrivateNats {
     pub port: u16,
     dir: PathBuf,
     child: Option<Child>,
+    /// A configuration file the server reads (users and their permissions, say).
+    config: Option<PathBuf>,
 }
 
 impl PrivateNats {
     pub async fn start() -> Result<Self> {
+        Self::start_with_config(None).await
+    }
+
+    /// A server that reads `config` (the text of a `nats-server` configuration file, such as
+    /// an `authorization` block) as well.
+    pub async fn start_with_config(config: Option<&str>) -> Result<Self> {
         let dir = std::env::temp_dir().join(format!("z29c-nats-{}", uuid::Uuid::new_v4().simple()));
         std::fs::create_dir_all(&dir)?;
+        let config = match config {
+            Some(text) => {
+                let path = dir.join("nats.conf");
+                std::fs::write(&path, text)?;
+                Some(path)
+            }
+            None => None,
+        };
         let mut n = Self {
             port: free_port()?,
             dir,
             child: None,
+            config,
         };
         n.spawn().await?;
         Ok(n)
@@ -333,11 +350,25 @@ impl PrivateNats {
         format!("nats://127.0.0.1:{}", self.port)
     }
 
+    /// What the server logged so far (refused connections and permission violations among
+    /// it).
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("server.log")).unwrap_or_default()
+    }
+
     async fn spawn(&mut self) -> Result<()> {
         let bin = which("nats-server").context(
             "nats-server was not found: install it (apt-get install nats-server) or set Z29C_NATS_URL",
         )?;
-        let mut child = Command::new(bin)
+        let mut command = Command::new(bin);
+        if let Some(config) = &self.config {
+            command.arg("-c").arg(config);
+        }
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.join("server.log"))?;
+        let mut child = command
             .args([
                 "-a",
                 "127.0.0.1",
@@ -346,9 +377,9 @@ impl PrivateNats {
                 "-js",
                 "-sd",
             ])
-            .arg(&self.dir)
+            .arg(self.dir.join("store"))
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            .stderr(log)
             .kill_on_drop(true)
             .spawn()
             .context("start nats-server")?;

@@ -170,7 +170,80 @@ pub async fn sent_to_review(
         )
         .await
         .unwrap();
-    let mut items = store.review_items(false, 10).await.unwrap();
-    assert_eq!(items.len(), 1, "one step in review");
-    items.remove(0)
+    let items = store.review_items(false, 100).await.unwrap();
+    let mine: Vec<_> = items
+        .into_iter()
+        .filter(|i| i.step_id == c.lease.step.as_uuid())
+        .collect();
+    assert_eq!(mine.len(), 1, "the step is in review once");
+    mine.into_iter().next().unwrap()
+}
+
+/// Makes the period of ids made now (a day long) and answers the partition of `table` that
+/// holds them: where a test's rows are, and whose statistics and settings it reads.
+pub async fn current_partition(pool: &PgPool, table: &str) -> String {
+    Store::from_pool(pool.clone())
+        .cover_ahead(Duration::from_secs(24 * 60 * 60))
+        .await
+        .unwrap();
+    sqlx::query_scalar(
+        "SELECT $1 || '_' || suffix FROM retention_periods
+         WHERE starts_at <= now() AND ends_at > now()",
+    )
+    .bind(table)
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
+/// Whether `relation` (a name in a plan or in the statistics) is `table` or one of its
+/// partitions.
+pub fn is_part_of(relation: &str, table: &str) -> bool {
+    relation == table
+        || relation
+            .strip_prefix(table)
+            .is_some_and(|rest| rest == "_before" || rest.starts_with("_p"))
+}
+
+/// Turns autovacuum off for the partition of `table` that holds ids made now, and answers
+/// its name.
+pub async fn without_autovacuum(pool: &PgPool, table: &str) -> String {
+    let partition = current_partition(pool, table).await;
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "ALTER TABLE {partition} SET (autovacuum_enabled = false)"
+    )))
+    .execute(pool)
+    .await
+    .unwrap();
+    partition
+}
+
+/// A login role in `z29c_service` and a pool of it on the test's database. The role is
+/// dropped by [`drop_role`].
+pub async fn service_pool(owner: &PgPool) -> (String, PgPool) {
+    let role = format!(
+        "z29c_svc_{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..12]
+    );
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "CREATE ROLE {role} LOGIN IN ROLE z29c_service"
+    )))
+    .execute(owner)
+    .await
+    .unwrap();
+    let options = (*owner.connect_options()).clone().username(&role);
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(2)
+        .connect_with(options)
+        .await
+        .unwrap();
+    (role, pool)
+}
+
+pub async fn drop_role(owner: &PgPool, role: &str, pool: PgPool) {
+    pool.close().await;
+    sqlx::query(sqlx::AssertSqlSafe(format!("DROP ROLE {role}")))
+        .execute(owner)
+        .await
+        .unwrap();
 }
