@@ -1,7 +1,8 @@
 //! Only an attempt's own request reaches the outside world: a gateway sends what PostgreSQL
 //! holds for the attempt its caller names, refuses (`FAILED_PRECONDITION`, audited) a call that
-//! names no attempt or a request that is not the attempt's, answers a call for an attempt
-//! that does not exist as not begun (audited), and caps every call's deadline. Nothing refused
+//! names no attempt or a request that is not the attempt's (its input, identity, operation or
+//! adapter), answers a call for an attempt that does not exist, or under a stale lease, as not
+//! begun (audited), and caps every call's deadline. Nothing refused
 //! reaches the destination, as its own records show.
 
 use std::time::{Duration, Instant};
@@ -76,6 +77,14 @@ async fn a_gateway_sends_only_an_attempts_own_request_and_audits_every_other() -
         },
         "operation",
     ));
+    // another adapter this gateway serves, not the one the attempt was claimed for
+    refused.push((
+        pb::InvokeRequest {
+            adapter: "http-opaque".into(),
+            ..own.clone()
+        },
+        "adapter",
+    ));
     for (req, field) in refused {
         let s = gw.invoke(req).await.expect_err("refused");
         assert_eq!(s.code(), Code::FailedPrecondition, "{field}: {s:?}");
@@ -98,12 +107,43 @@ async fn a_gateway_sends_only_an_attempts_own_request_and_audits_every_other() -
         ),
         "{unknown:?}"
     );
-    let audited: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM audit_log WHERE action = 'invoke' AND outcome = 'refused'",
+    // a stale lease: the step was given back unbegun and claimed again since, so the first
+    // claim's call is turned away as the fence says, and audited
+    let first = cluster.claimed_by_test(&pool, "own-2", "ok").await?;
+    let store = z29c_store::Store::from_pool(pool.clone());
+    store.release_unbegun(&first.lease).await?;
+    let owner = z29c_core::OwnerId::parse("executor-test-2")?;
+    let start = Instant::now();
+    let again = loop {
+        if let Some(c) = store.claim(&owner, 1).await?.pop() {
+            break c;
+        }
+        anyhow::ensure!(start.elapsed() < Duration::from_secs(30), "not claimed again");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(again.lease.step, first.lease.step);
+    assert!(again.lease.version > first.lease.version);
+    let stale = gw.invoke(invoke_request(&first)).await?.into_inner();
+    assert!(
+        matches!(
+            &stale.outcome,
+            Some(pb::invoke_response::Outcome::NotBegun(n))
+                if n.reason.starts_with("lease superseded") && !n.workflow_ended
+        ),
+        "{stale:?}"
+    );
+    let audited: Vec<String> = sqlx::query_scalar(
+        "SELECT detail FROM audit_log WHERE action = 'invoke' AND outcome = 'refused'
+         ORDER BY id",
     )
-    .fetch_one(&pool)
+    .fetch_all(&pool)
     .await?;
-    assert_eq!(audited, 5, "every refusal audited");
+    assert_eq!(audited.len(), 7, "every refusal audited: {audited:#?}");
+    assert!(
+        audited[6].starts_with("lease_version: ") && audited[6].contains("lease superseded"),
+        "{}",
+        audited[6]
+    );
     assert_eq!(
         cluster.requests_received().await?,
         before,

@@ -258,6 +258,12 @@ impl Gateway {
     /// Refuses a call that is not an attempt's own request (`FAILED_PRECONDITION`, saying
     /// why) and records the refusal in the audit log.
     async fn refuse(&self, peer: Option<String>, why: &str) -> Status {
+        self.audit_refusal(peer, why).await;
+        Status::failed_precondition(why)
+    }
+
+    /// Records a call the gateway did not send, and why, in the audit log (and the log).
+    async fn audit_refusal(&self, peer: Option<String>, why: &str) {
         tracing::warn!(
             peer = peer.as_deref().unwrap_or(""),
             reason = why,
@@ -275,7 +281,6 @@ impl Gateway {
         if let Err(e) = self.store.audit(&entry).await {
             tracing::error!(error = %e, "the refusal's audit record was not written");
         }
-        Status::failed_precondition(why)
     }
 
     /// One invocation: permit (with *invocation began*, under a lease), the adapter's call, the
@@ -320,7 +325,7 @@ impl Gateway {
                     "attempt_id: step {} has no attempt {}",
                     claim.step, claim.attempt
                 );
-                let _ = self.refuse(peer, &why).await;
+                self.audit_refusal(peer, &why).await;
                 return Ok(not_begun(adapter, FenceReason::NotCurrentAttempt));
             }
             Some(persisted) => {
@@ -378,7 +383,23 @@ impl Gateway {
         {
             Taken::Permit(p) => p,
             Taken::Exhausted => return Ok(turned_away(adapter, "no_permit")),
-            Taken::NotBegun(reason) => return Ok(not_begun(adapter, reason)),
+            Taken::NotBegun(reason) => {
+                // a stale lease, or a workflow that ended: the fence turned the call away,
+                // and the caller is told so in the protocol's words, so an executor stops
+                let field = match reason {
+                    FenceReason::WorkflowForbids { .. } => "step_id",
+                    _ => "lease_version",
+                };
+                self.audit_refusal(
+                    peer,
+                    &format!(
+                        "{field}: the call of step {} under lease v{} did not begin: {reason}",
+                        claim.step, claim.version
+                    ),
+                )
+                .await;
+                return Ok(not_begun(adapter, reason));
+            }
         };
         if lease.is_some() {
             // *invocation began* is durable, nothing is sent yet
