@@ -118,7 +118,10 @@ async fn a_gateway_sends_only_an_attempts_own_request_and_audits_every_other() -
         if let Some(c) = store.claim(&owner, 1).await?.pop() {
             break c;
         }
-        anyhow::ensure!(start.elapsed() < Duration::from_secs(30), "not claimed again");
+        anyhow::ensure!(
+            start.elapsed() < Duration::from_secs(30),
+            "not claimed again"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
     assert_eq!(again.lease.step, first.lease.step);

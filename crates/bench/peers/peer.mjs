@@ -1,14 +1,22 @@
-// Drives graphile-worker or pg-boss for z29c's benchmark (tests/src/bench.rs), each through its
-// own documented API, with no-op jobs. The harness measures PostgreSQL and /proc from outside;
-// this script only loads, works and produces.
+// Drives graphile-worker, pg-boss or Restate for z29c's benchmark (crates/bench), each through
+// its own documented API. The harness measures PostgreSQL, the sink and /proc from outside;
+// this script only loads, works, serves and produces.
 //
 //   node peer.mjs <graphile-worker|pg-boss> load     '{"url":..,"jobs":N}'
-//   node peer.mjs <graphile-worker|pg-boss> work     '{"url":..,"concurrency":C,"samples":"file","holdMs":0}'
+//   node peer.mjs <graphile-worker|pg-boss> work     '{"url":..,"concurrency":C,"samples":"file","holdMs":0,"sink":URL}'
 //   node peer.mjs <graphile-worker|pg-boss> produce  '{"url":..,"rate":R,"seconds":S}'
+//   node peer.mjs restate serve '{"port":P,"sink":URL}'
+//   node peer.mjs restate load  '{"admin":URL,"ingress":URL,"endpoint":URL,"jobs":N,"steps":S,"dueAt":EPOCH_MS}'
 //
 // `work` runs until SIGTERM (or SIGKILL), writing one line per started job to `samples`:
 // "<job id> <start epoch ms> <intended epoch ms or -1>". Jobs carry their intended enqueue time
-// (`t`) when produced open-loop, so queueing before the enqueue call is not hidden.
+// (`t`) when produced open-loop, so queueing before the enqueue call is not hidden. With
+// `sink`, each job makes one HTTP POST there and fails if it is not answered 2xx.
+//
+// Restate: `serve` is the service endpoint (its handler runs `steps` durable `ctx.run`s, each
+// one POST to the sink); `load` registers it with the server and sends `jobs` invocations
+// that all fall due at `dueAt` (Restate's delayed send), so a drain starts with all of them
+// waiting, as the other systems' do.
 import { appendFileSync, writeFileSync } from "node:fs";
 import { performance } from "node:perf_hooks";
 
@@ -22,9 +30,21 @@ function fail(message) {
   console.error(`peer.mjs: ${message}`);
   process.exit(2);
 }
-if (!["graphile-worker", "pg-boss"].includes(system)) fail(`unknown system ${system}`);
-if (!["load", "work", "produce"].includes(mode)) fail(`unknown mode ${mode}`);
-if (!args.url) fail("missing url");
+if (!["graphile-worker", "pg-boss", "restate"].includes(system)) fail(`unknown system ${system}`);
+if (!["load", "work", "produce", "serve"].includes(mode)) fail(`unknown mode ${mode}`);
+if (system !== "restate" && !args.url) fail("missing url");
+
+// One POST to the sink, as every system's step makes it.
+async function post(step) {
+  const r = await fetch(args.sink, {
+    method: "POST",
+    headers: { "content-type": "application/json" },
+    body: JSON.stringify({ step }),
+  });
+  await r.arrayBuffer();
+  if (!r.ok) throw new Error(`sink answered ${r.status}`);
+  return r.status;
+}
 
 // One line per started job, buffered and appended to `args.samples` every 100 ms (and at once
 // before a job that holds, so the harness sees it started).
@@ -41,6 +61,7 @@ function recorder() {
       flush();
       await sleep(args.holdMs);
     }
+    if (args.sink) await post(id);
   };
   return { started, flush };
 }
@@ -136,6 +157,56 @@ async function pgboss() {
   await boss.stop({ graceful: false, wait: true });
 }
 
+// ---- Restate -------------------------------------------------------------------------------
+async function restate() {
+  if (mode === "serve") {
+    // the SDK uses Promise.withResolvers, which Node 20 lacks
+    if (!Promise.withResolvers) {
+      Promise.withResolvers = () => {
+        let resolve, reject;
+        const promise = new Promise((a, b) => ((resolve = a), (reject = b)));
+        return { promise, resolve, reject };
+      };
+    }
+    const sdk = await import("@restatedev/restate-sdk");
+    const service = sdk.service({
+      name: "bench",
+      handlers: {
+        run: async (ctx, req) => {
+          for (let i = 0; i < req.steps; i++) await ctx.run(`post ${i}`, () => post(i));
+          return req.steps;
+        },
+      },
+    });
+    sdk.endpoint().bind(service).listen(args.port);
+    return;
+  }
+  if (mode !== "load") fail(`restate has no mode ${mode}`);
+  const register = await fetch(`${args.admin}/deployments`, {
+    method: "POST",
+    headers: { "content-type": "application/json" },
+    body: JSON.stringify({ uri: args.endpoint }),
+  });
+  if (!register.ok) fail(`registering ${args.endpoint}: ${register.status} ${await register.text()}`);
+  const body = JSON.stringify({ steps: args.steps });
+  let next = 0;
+  const sender = async () => {
+    while (next < args.jobs) {
+      next += 1;
+      const delay = Math.max(0, Math.round(args.dueAt - now()));
+      const r = await fetch(`${args.ingress}/bench/run/send?delay=${delay}ms`, {
+        method: "POST",
+        headers: { "content-type": "application/json" },
+        body,
+      });
+      await r.arrayBuffer();
+      if (!r.ok) fail(`send: ${r.status}`);
+    }
+  };
+  await Promise.all(Array.from({ length: 32 }, sender));
+  if (now() > args.dueAt) fail(`loading ended ${Math.round(now() - args.dueAt)} ms after the invocations fell due`);
+}
+
 // Open loop: job i is due at start + i/rate whatever happened to job i-1; its intended time
 // travels with it.
 async function produce(enqueue) {
@@ -155,6 +226,7 @@ async function produce(enqueue) {
 
 try {
   if (system === "graphile-worker") await graphile();
+  else if (system === "restate") await restate();
   else await pgboss();
   if (mode === "load") console.log(JSON.stringify({ event: "loaded", jobs: args.jobs }));
 } catch (e) {

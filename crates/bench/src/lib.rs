@@ -1,13 +1,15 @@
-//! The benchmark harness: z29c end to end, side by side with graphile-worker and
-//! pg-boss ([`peers`]) and with the physical limit of the same PostgreSQL, in alternating rounds
-//! (A B A B) so all see the same machine. Figures only; nothing here asserts a time.
+//! The benchmark harness: z29c end to end, side by side with the durable-execution engines
+//! people would pick instead (Restate, DBOS: [`engines`]) and the Postgres queues they use
+//! today (graphile-worker, pg-boss: [`peers`]), in alternating rounds (A B A B) so all see the
+//! same machine. Figures only; nothing here asserts a time.
 //!
-//! Measured per run: steps per second to drain `steps` pre-loaded steps (scheduler →
-//! JetStream → executor → gateway over gRPC → destination over HTTP → receipt), PostgreSQL
-//! commits and WAL bytes per completed step (`pg_stat_database`, `pg_current_wal_lsn()`),
-//! and each process's peak RSS and CPU seconds (`/proc`). The floor is `pgbench` running a
-//! one-row durable update at the same client count (TPS_floor); L = TPS_floor ÷
-//! commits-per-step is what z29c could reach if commits were all it paid for.
+//! Every system runs the same workload: workflows of 1 or of 5 steps, each step one HTTP POST
+//! to the benchmark's own [`sink`] (z29c through its gateway). Measured per run: steps per
+//! second to drain pre-loaded steps, the POSTs the sink received per step (the outside world's
+//! count), PostgreSQL commits and WAL bytes per step (`pg_stat_database`,
+//! `pg_current_wal_lsn()`), and the machine's time per step: CPU (all processes, from
+//! `/proc/stat`) and bytes written to disk (`/proc/diskstats`), beside each process's peak RSS
+//! and CPU seconds (`/proc`).
 
 use std::time::{Duration, Instant};
 
@@ -15,12 +17,13 @@ use anyhow::{Context, Result, bail};
 use serde::Serialize;
 use z29c_proto::v1 as pb;
 
-use z29c_scenarios::TestDatabase;
 use z29c_scenarios::cluster::{Cluster, Topology};
 
+pub mod engines;
 pub mod growth;
 pub mod peers;
 pub mod plot;
+pub mod sink;
 
 /// One drain run of one system.
 #[derive(Debug, Clone, Serialize)]
@@ -37,16 +40,25 @@ pub struct Drain {
     pub wal_bytes_per_step: f64,
     /// WAL syncs per step (`pg_stat_wal.wal_sync`; server-wide, so a quiet server matters).
     pub fsyncs_per_step: f64,
+    /// The machine's CPU time per step, every process's (the system's, PostgreSQL's, the
+    /// sink's), from `/proc/stat`: busy time over the run's wall time, in milliseconds.
+    pub machine_cpu_ms_per_step: f64,
+    /// Bytes the machine wrote to its disks per step (`/proc/diskstats`): PostgreSQL's WAL
+    /// and data files, or an engine's own log.
+    pub disk_bytes_per_step: f64,
+    /// Requests the sink received per step; none for a bare queue whose jobs send nothing.
+    pub posts_per_step: Option<f64>,
     /// (process, peak RSS MiB, CPU seconds)
     pub processes: Vec<(String, f64, f64)>,
 }
 
-/// PostgreSQL's counters before and after a run.
+/// PostgreSQL's counters, and the machine's, before and after a run.
 #[derive(Debug, Clone)]
 pub struct Counters {
     commits: i64,
     lsn: String,
     wal_syncs: i64,
+    machine: Machine,
 }
 
 impl Counters {
@@ -62,6 +74,7 @@ impl Counters {
             commits,
             lsn,
             wal_syncs,
+            machine: Machine::take()?,
         })
     }
 
@@ -75,7 +88,99 @@ impl Counters {
     }
 }
 
+/// The machine's busy CPU time and disk writes so far.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Machine {
+    /// Clock ticks (USER_HZ, 100 per second on Linux) spent in user, nice, system, irq,
+    /// softirq and steal, over all CPUs.
+    busy_ticks: u64,
+    /// Sectors (512 bytes) written to the machine's disks (not loop, RAM or zram devices).
+    sectors_written: u64,
+}
+
+impl Machine {
+    pub fn take() -> Result<Self> {
+        let stat = std::fs::read_to_string("/proc/stat").context("/proc/stat")?;
+        let cpu: Vec<u64> = stat
+            .lines()
+            .find(|l| l.starts_with("cpu "))
+            .context("/proc/stat has no cpu line")?
+            .split_whitespace()
+            .skip(1)
+            .map(|v| v.parse().unwrap_or(0))
+            .collect();
+        // user nice system idle iowait irq softirq steal
+        let busy_ticks = [0, 1, 2, 5, 6, 7]
+            .iter()
+            .map(|&i| cpu.get(i).copied().unwrap_or(0))
+            .sum();
+        let disks: Vec<String> = std::fs::read_dir("/sys/block")
+            .map(|d| {
+                d.filter_map(|e| e.ok()?.file_name().into_string().ok())
+                    .filter(|n| !["loop", "ram", "zram"].iter().any(|p| n.starts_with(p)))
+                    .collect()
+            })
+            .unwrap_or_default();
+        let sectors_written = std::fs::read_to_string("/proc/diskstats")
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| {
+                let f: Vec<&str> = l.split_whitespace().collect();
+                (disks.iter().any(|d| Some(&d.as_str()) == f.get(2)))
+                    .then(|| f.get(9)?.parse::<u64>().ok())
+                    .flatten()
+            })
+            .sum();
+        Ok(Self {
+            busy_ticks,
+            sectors_written,
+        })
+    }
+
+    /// CPU seconds and bytes written since `before`.
+    pub fn since(&self, before: &Self) -> (f64, f64) {
+        (
+            self.busy_ticks.saturating_sub(before.busy_ticks) as f64 / 100.0,
+            self.sectors_written.saturating_sub(before.sectors_written) as f64 * 512.0,
+        )
+    }
+}
+
 impl Drain {
+    /// A run of a system that keeps nothing in PostgreSQL: no commits or WAL of its own to
+    /// count (`NaN`, shown as "-"), the machine's time as for every system.
+    #[allow(clippy::too_many_arguments)]
+    pub fn without_postgres(
+        system: &str,
+        round: usize,
+        concurrency: usize,
+        steps: usize,
+        seconds: f64,
+        capped: bool,
+        before: &Machine,
+        after: &Machine,
+        processes: Vec<(String, f64, f64)>,
+    ) -> Self {
+        let per = |v: f64| v / steps.max(1) as f64;
+        let (cpu, disk) = after.since(before);
+        Self {
+            system: system.into(),
+            round,
+            concurrency,
+            steps,
+            seconds,
+            steps_per_second: steps as f64 / seconds,
+            capped,
+            commits_per_step: f64::NAN,
+            wal_bytes_per_step: f64::NAN,
+            fsyncs_per_step: f64::NAN,
+            machine_cpu_ms_per_step: per(cpu * 1_000.0),
+            disk_bytes_per_step: per(disk),
+            posts_per_step: None,
+            processes,
+        }
+    }
+
     /// `harness_queries`: the harness's own autocommit reads in the window, not counted.
     #[allow(clippy::too_many_arguments)]
     pub fn from_counters(
@@ -91,6 +196,7 @@ impl Drain {
         processes: Vec<(String, f64, f64)>,
     ) -> Self {
         let per = |v: f64| v / steps.max(1) as f64;
+        let (cpu, disk) = after.machine.since(&before.machine);
         Self {
             system: system.into(),
             round,
@@ -102,6 +208,9 @@ impl Drain {
             commits_per_step: per((after.commits - before.commits - harness_queries as i64) as f64),
             wal_bytes_per_step: per(after.wal_bytes_since(before)),
             fsyncs_per_step: per((after.wal_syncs - before.wal_syncs) as f64),
+            machine_cpu_ms_per_step: per(cpu * 1_000.0),
+            disk_bytes_per_step: per(disk),
+            posts_per_step: None,
             processes,
         }
     }
@@ -286,20 +395,11 @@ pub struct Reclaim {
     pub note: String,
 }
 
-/// One pgbench run: the one-row durable transaction rate.
-#[derive(Debug, Clone, Serialize)]
-pub struct Floor {
-    pub round: usize,
-    pub clients: usize,
-    pub tps: f64,
-}
-
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct Report {
     /// The PostgreSQL every system ran on: version and the settings that decide its speed.
     pub server: String,
     pub drains: Vec<Drain>,
-    pub floors: Vec<Floor>,
     pub latencies: Vec<Latency>,
     pub reclaims: Vec<Reclaim>,
     pub growth: Vec<growth::Growth>,
@@ -308,11 +408,18 @@ pub struct Report {
     pub steady_retention: Option<growth::Steady>,
 }
 
-/// Steps per submitted workflow: independent, so all are ready at once.
+/// Steps per submitted workflow of the growth and steady runs: independent, so all are ready
+/// at once.
 pub const STEPS_PER_WORKFLOW: usize = 100;
 
-fn workflow(i: usize, steps: usize) -> pb::SubmitRequest {
-    workflow_named(&format!("bench-{i}"), steps)
+/// A workflow of `steps` steps, each after the one before (as an engine's handler runs its
+/// steps one after another), each one POST through the `http` adapter.
+pub(crate) fn chained(key: &str, steps: usize) -> pb::SubmitRequest {
+    let mut w = workflow_named(key, steps);
+    for (i, step) in w.steps.iter_mut().enumerate().skip(1) {
+        step.depends_on = vec![format!("s{}", i - 1)];
+    }
+    w
 }
 
 pub(crate) fn workflow_named(key: &str, steps: usize) -> pb::SubmitRequest {
@@ -350,44 +457,54 @@ pub(crate) fn proc_usage(pid: i32) -> Option<(f64, f64)> {
     Some((hwm_kib / 1024.0, ticks / 100.0))
 }
 
-/// Drains `steps` pre-loaded steps, in workflows of `per_workflow` steps, through one executor
-/// running `concurrency` attempts.
+/// Drains `steps` pre-loaded steps, in workflows of `shape` chained steps, through one
+/// executor running `concurrency` attempts; every step POSTs to `sink` through the gateway,
+/// whose `http` adapter declares it opaque (the sink de-duplicates nothing). The drain ends at
+/// the last receipt; the sink's count says how many requests reached it per step.
 ///
-/// `mode`: how the services commit (see [`Mode`]); the system is reported by its name, and
-/// with ` 1-step` when the workflows have one step each (each step then also pays for its
-/// workflow's submission and completion).
+/// `mode`: how the services commit (see [`Mode`]); the system is reported by its name and
+/// shape (`z29c 5-step`).
 pub async fn z29c_drain(
     round: usize,
     steps: usize,
-    per_workflow: usize,
+    shape: usize,
     concurrency: usize,
     cap: Duration,
     mode: Mode,
+    sink: &sink::Sink,
 ) -> Result<Drain> {
-    let per_workflow = per_workflow.max(1);
-    let system = match per_workflow {
-        1 => format!("{} 1-step", mode.name()),
-        _ => mode.name().to_owned(),
-    };
-    let mut cluster = Cluster::start_with(topology(0, mode)?).await?;
+    let shape = shape.max(1);
+    let system = format!("{} {shape}-step", mode.name());
+    let mut cluster = Cluster::start_with(Topology {
+        gateways: 0,
+        ..topology(0, mode)?
+    })
+    .await?;
     let result = async {
-        let pool = cluster.db.pool(2).await?;
-        // no-op destination work: the destination answers without its own ledger commit
         cluster
-            .set_faults("bench", serde_json::json!({ "ledger_off": true }))
+            .add_gateway_serving(
+                &format!(
+                    "[[adapters]]\nname = \"http\"\nversion = \"sink/1\"\nbase_url = \"{}\"\n\
+                     capability = \"opaque\"\ndefault_limit = 4096\nsafety_window_ms = 5000\n",
+                    sink.url()
+                ),
+                &[],
+            )
             .await?;
+        let pool = cluster.db.pool(2).await?;
         let mut client = cluster.client().await?;
-        let workflows = steps.div_ceil(per_workflow);
+        let workflows = steps.div_ceil(shape);
         for i in 0..workflows {
-            let n = per_workflow.min(steps - i * per_workflow);
+            let n = shape.min(steps - i * shape);
             client
-                .submit(workflow(i, n))
+                .submit(chained(&format!("bench-{i}"), n))
                 .await
                 .with_context(|| format!("preload workflow {i}"))?;
         }
         // let the stats of the preload settle before counting
         tokio::time::sleep(Duration::from_millis(1_500)).await;
         let before = Counters::take(&pool).await?;
+        let posts_before = sink.received();
         let start = Instant::now();
         cluster
             .add_executor_with(&[
@@ -413,11 +530,14 @@ pub async fn z29c_drain(
                 Some((p.name.clone(), rss, cpu))
             })
             .collect();
+        let machine_after = Machine::take()?;
+        let posts = sink.received() - posts_before;
         // backends flush their statistics within a second of going idle
         tokio::time::sleep(Duration::from_millis(1_500)).await;
-        let after = Counters::take(&pool).await?;
+        let mut after = Counters::take(&pool).await?;
+        after.machine = machine_after;
         pool.close().await;
-        anyhow::Ok(Drain::from_counters(
+        let mut d = Drain::from_counters(
             &system,
             round,
             concurrency,
@@ -428,7 +548,9 @@ pub async fn z29c_drain(
             &after,
             polls + 1,
             processes,
-        ))
+        );
+        d.posts_per_step = Some(posts as f64 / done.max(1) as f64);
+        anyhow::Ok(d)
     }
     .await;
     cluster.stop().await?;
@@ -735,61 +857,6 @@ pub async fn server_settings() -> Result<String> {
     ))
 }
 
-/// `pgbench` at `clients` running a one-row durable update for `seconds`.
-pub async fn pgbench_floor(round: usize, clients: usize, seconds: u64) -> Result<Floor> {
-    let db = TestDatabase::create().await?;
-    let result = async {
-        // libpq's URI, without sqlx's own query parameters
-        let url = db.url().split('?').next().unwrap_or_default().to_owned();
-        let init = tokio::process::Command::new("pgbench")
-            .args(["-i", "-q", "-s", "1", &url])
-            .env(CLIENT_TLS.0, CLIENT_TLS.1)
-            .output()
-            .await
-            .context("pgbench (Debian's postgresql-contrib or postgresql client)")?;
-        if !init.status.success() {
-            bail!("pgbench -i: {}", String::from_utf8_lossy(&init.stderr));
-        }
-        let script = std::env::temp_dir().join(format!("z29c-floor-{}.sql", uuid::Uuid::new_v4()));
-        std::fs::write(
-            &script,
-            "\\set aid random(1, 100000)\nUPDATE pgbench_accounts SET abalance = abalance + 1 WHERE aid = :aid;\n",
-        )?;
-        let out = tokio::process::Command::new("pgbench")
-            .args([
-                "-n",
-                "-c",
-                &clients.to_string(),
-                "-j",
-                &clients.min(2).to_string(),
-                "-T",
-                &seconds.to_string(),
-                "-f",
-                &script.to_string_lossy(),
-                &url,
-            ])
-            .env(CLIENT_TLS.0, CLIENT_TLS.1)
-            .output()
-            .await?;
-        let _ = std::fs::remove_file(&script);
-        let text = String::from_utf8_lossy(&out.stdout);
-        let tps = text
-            .lines()
-            .find_map(|l| l.strip_prefix("tps = "))
-            .and_then(|l| l.split_whitespace().next())
-            .and_then(|v| v.parse::<f64>().ok())
-            .with_context(|| format!("no tps in pgbench's output: {text}"))?;
-        anyhow::Ok(Floor {
-            round,
-            clients,
-            tps,
-        })
-    }
-    .await;
-    db.drop_now().await?;
-    result
-}
-
 fn median(mut v: Vec<f64>) -> f64 {
     if v.is_empty() {
         return f64::NAN;
@@ -813,6 +880,12 @@ impl Report {
             commits_per_step: m(|d| d.commits_per_step),
             wal_bytes_per_step: m(|d| d.wal_bytes_per_step),
             fsyncs_per_step: m(|d| d.fsyncs_per_step),
+            machine_cpu_ms_per_step: m(|d| d.machine_cpu_ms_per_step),
+            disk_bytes_per_step: m(|d| d.disk_bytes_per_step),
+            posts_per_step: ds
+                .iter()
+                .filter_map(|d| d.posts_per_step)
+                .fold(None, |m: Option<f64>, p| Some(m.map_or(p, |m| m.max(p)))),
             capped: ds.iter().any(|d| d.capped),
             processes: ds.iter().flat_map(|d| d.processes.iter().cloned()).fold(
                 Vec::<(String, f64, f64)>::new(),
@@ -829,6 +902,38 @@ impl Report {
             ),
             ..first
         })
+    }
+
+    /// z29c's ratios at concurrency `c` against the engines and the queue making the same
+    /// POST, as the targets in docs/performance.md name them.
+    pub fn targets(&self, c: usize) -> String {
+        let mut out = String::new();
+        let rate = |s: &str| self.drain_median(s, c).map(|d| d.steps_per_second);
+        for shape in [1, 5] {
+            let Some(z) = rate(&format!("z29c {shape}-step")) else {
+                continue;
+            };
+            for other in ["restate", "dbos"] {
+                if let Some(o) = rate(&format!("{other} {shape}-step")) {
+                    out.push_str(&format!(
+                        "{c:>11} | z29c ÷ {other}, {shape}-step workflows: {:.2}\n",
+                        z / o
+                    ));
+                }
+            }
+        }
+        if let (Some(z), Some(g)) = (
+            self.drain_median("z29c 1-step", c),
+            self.drain_median("graphile-worker POST", c),
+        ) {
+            out.push_str(&format!(
+                "{c:>11} | z29c 1-step ÷ graphile-worker POST: {:.2} × its steps/s, {:.2} × its machine CPU per step; z29c WAL {:.0} B/step\n",
+                z.steps_per_second / g.steps_per_second,
+                z.machine_cpu_ms_per_step / g.machine_cpu_ms_per_step,
+                z.wal_bytes_per_step,
+            ));
+        }
+        out
     }
 
     pub fn systems(&self) -> Vec<String> {
@@ -848,13 +953,20 @@ impl Report {
         cs
     }
 
-    /// The tables: drains per concurrency and system (medians over rounds) against the floor,
-    /// then latency and re-claim.
+    /// The tables: drains per concurrency and system (medians over rounds) with the machine's
+    /// time per step, z29c's ratios against the others, then latency and re-claim.
     pub fn table(&self) -> String {
         let mut out = format!("PostgreSQL: {}\n", self.server);
+        let dash = |v: f64, digits: usize| {
+            if v.is_nan() {
+                "-".to_owned()
+            } else {
+                format!("{v:.digits$}")
+            }
+        };
         out.push_str(
-            "concurrency | system          | steps/s | commits/step | WAL B/step | fsyncs/step | peak RSS MiB (max process) | CPU s per 1k steps (all processes)\n\
-             ------------|-----------------|---------|--------------|------------|-------------|----------------------------|-----------------------------------\n",
+            "concurrency | system                | steps/s | POSTs/step | commits/step | WAL B/step | machine CPU ms/step | disk B/step | peak RSS MiB (max process)\n\
+             ------------|-----------------------|---------|------------|--------------|------------|---------------------|-------------|---------------------------\n",
         );
         for c in self.concurrencies() {
             for system in self.systems() {
@@ -862,35 +974,22 @@ impl Report {
                     continue;
                 };
                 let rss = d.processes.iter().map(|p| p.1).fold(0.0, f64::max);
-                let cpu: f64 =
-                    d.processes.iter().map(|p| p.2).sum::<f64>() * 1_000.0 / d.steps.max(1) as f64;
                 out.push_str(&format!(
-                    "{c:>11} | {system:<15} | {:>7.0}{} | {:>12.2} | {:>10.0} | {:>11.2} | {rss:>26.1} | {cpu:>6.2}\n",
+                    "{c:>11} | {system:<21} | {:>7.0}{} | {:>10} | {:>12} | {:>10} | {:>19.3} | {:>11.0} | {rss:>26.1}\n",
                     d.steps_per_second,
                     if d.capped { "*" } else { "" },
-                    d.commits_per_step,
-                    d.wal_bytes_per_step,
-                    d.fsyncs_per_step,
+                    d.posts_per_step.map_or("-".to_owned(), |p| format!("{p:.3}")),
+                    dash(d.commits_per_step, 2),
+                    dash(d.wal_bytes_per_step, 0),
+                    d.machine_cpu_ms_per_step,
+                    d.disk_bytes_per_step,
                 ));
             }
-            let floor = median(
-                self.floors
-                    .iter()
-                    .filter(|f| f.clients == c)
-                    .map(|f| f.tps)
-                    .collect(),
-            );
-            if let Some(z) = self.drain_median("z29c", c) {
-                let l = floor / z.commits_per_step;
-                out.push_str(&format!(
-                    "{c:>11} | pgbench floor: {floor:.0} TPS · L = floor ÷ z29c commits/step = {l:.0} steps/s · z29c ÷ L = {:.2}\n",
-                    z.steps_per_second / l
-                ));
-            }
+            out.push_str(&self.targets(c));
         }
         out.push_str(&format!(
-            "medians over {} rounds (A B A B: pgbench, z29c, then each peer, per concurrency); * = stopped at the time cap\n",
-            self.floors.iter().map(|f| f.round).max().unwrap_or(0)
+            "medians over {} rounds (A B A B: each system in turn, per concurrency); * = stopped at the time cap\n",
+            self.drains.iter().map(|d| d.round).max().unwrap_or(0)
         ));
         if !self.latencies.is_empty() {
             out.push_str(

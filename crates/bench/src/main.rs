@@ -1,9 +1,10 @@
-//! `z29c-bench`: z29c measured against the Postgres queues people use today, on one machine
-//! in one run, so every figure has its baseline beside it (docs/performance.md).
+//! `z29c-bench`: z29c measured against the durable-execution engines (Restate, DBOS) and the
+//! Postgres queues (graphile-worker, pg-boss) people would use instead, on one machine in one
+//! run, so every figure has its baseline beside it (docs/performance.md).
 //!
 //! ```text
 //! cargo build --release -p z29c-cli -p z29c-bench
-//! target/release/z29c-bench --steps 20000 --concurrency 8,32 --rounds 3
+//! target/release/z29c-bench --steps 20000 --concurrency 32 --rounds 3 --parts drain
 //! ```
 
 use std::time::Duration;
@@ -26,20 +27,25 @@ async fn main() -> Result<()> {
 #[derive(Parser)]
 #[command(
     name = "z29c-bench",
-    about = "z29c side by side with graphile-worker, pg-boss and pgbench's one-row durable rate: drain throughput (A B A B), open-loop schedule-to-start latency, re-claim after SIGKILL, growth and a steady run"
+    about = "z29c side by side with Restate, DBOS, graphile-worker and pg-boss, every step one POST to the benchmark's own HTTP sink: drain throughput and machine time per step (A B A B), open-loop schedule-to-start latency, re-claim after SIGKILL, growth and a steady run"
 )]
 struct BenchArgs {
     /// Steps (jobs) pre-loaded before each drain.
     #[arg(long, default_value_t = 20_000)]
     steps: usize,
-    /// Concurrencies (attempts at once; pgbench clients), comma-separated.
-    #[arg(long, value_delimiter = ',', default_values_t = [8usize, 32])]
+    /// Concurrencies (attempts, invocations or jobs at once), comma-separated.
+    #[arg(long, value_delimiter = ',', default_values_t = [32usize])]
     concurrency: Vec<usize>,
     #[arg(long, default_value_t = 3)]
     rounds: usize,
-    /// Systems to run besides pgbench, comma-separated: z29c, z29c-eager (every write its
-    /// own commit, permit releases included), graphile-worker, pg-boss.
-    #[arg(long, value_delimiter = ',', default_values_t = ["z29c".to_owned(), "graphile-worker".to_owned(), "pg-boss".to_owned()])]
+    /// Workflow shapes drained, comma-separated: steps per workflow, run one after another,
+    /// each step one POST to the sink. The queues' jobs are one step each.
+    #[arg(long, value_delimiter = ',', default_values_t = [1usize, 5])]
+    shapes: Vec<usize>,
+    /// Systems to run, comma-separated: z29c, z29c-eager (every write its own commit, permit
+    /// releases included), restate, dbos, graphile-worker, pg-boss. A queue runs twice: with
+    /// no-op jobs, and with jobs that make the sink's POST.
+    #[arg(long, value_delimiter = ',', default_values_t = ["z29c".to_owned(), "restate".to_owned(), "dbos".to_owned(), "graphile-worker".to_owned(), "pg-boss".to_owned()])]
     systems: Vec<String>,
     /// Parts to run, comma-separated: drain, latency, reclaim, growth, steady, and
     /// steady-retention (the steady run again, with `--retention-keep` and
@@ -61,9 +67,6 @@ struct BenchArgs {
     /// A drain stops here; its rate is what finished by then.
     #[arg(long, default_value = "120s", value_parser = humantime::parse_duration)]
     cap: Duration,
-    /// pgbench run length, seconds.
-    #[arg(long, default_value_t = 10)]
-    floor_seconds: u64,
     /// Open-loop loads, as fractions of each system's drain rate.
     #[arg(long, value_delimiter = ',', default_values_t = [0.5f64, 0.8])]
     loads: Vec<f64>,
@@ -136,20 +139,22 @@ const ONE_STEP_DRAIN: usize = 3_000;
 
 async fn bench_on(a: BenchArgs) -> Result<()> {
     use z29c_bench::{self as bench, peers::Peer};
-    if a.steps == 0 || a.concurrency.contains(&0) || a.rounds == 0 {
-        bail!("--steps, --concurrency and --rounds must be positive");
+    if a.steps == 0 || a.concurrency.contains(&0) || a.rounds == 0 || a.shapes.contains(&0) {
+        bail!("--steps, --concurrency, --rounds and --shapes must be positive");
     }
     let mut peers_wanted = Vec::new();
     for s in &a.systems {
         match s.as_str() {
             s if bench::Mode::parse(s).is_some() => {}
+            "restate" | "dbos" => {}
             "graphile-worker" => peers_wanted.push(Peer::GraphileWorker),
             "pg-boss" => peers_wanted.push(Peer::PgBoss),
             other => bail!(
-                "--systems: unknown system {other:?} (z29c, z29c-eager, graphile-worker, pg-boss)"
+                "--systems: unknown system {other:?} (z29c, z29c-eager, restate, dbos, graphile-worker, pg-boss)"
             ),
         }
     }
+    let wants = |system: &str| a.systems.iter().any(|s| s == system);
     for p in &a.parts {
         if ![
             "drain",
@@ -180,12 +185,19 @@ async fn bench_on(a: BenchArgs) -> Result<()> {
         .to_owned();
     std::fs::create_dir_all(&dir)?;
     let z29c = a.systems.iter().any(|s| s == "z29c");
-    let peers = if peers_wanted.is_empty() {
+    let peers = if peers_wanted.is_empty() && !wants("restate") {
         None
     } else {
-        say("installing graphile-worker and pg-boss (npm ci)…");
+        say("installing Restate, graphile-worker and pg-boss (npm ci)…");
         Some(bench::peers::Peers::install(&dir).await?)
     };
+    let dbos = if wants("dbos") {
+        say("installing DBOS (a venv of its own, pip)…");
+        Some(bench::engines::Dbos::install(&dir).await?)
+    } else {
+        None
+    };
+    let sink = bench::sink::Sink::start().await?;
     let part = |p: &str| a.parts.iter().any(|x| x == p);
     let mut report = bench::Report {
         server: bench::server_settings().await?,
@@ -198,7 +210,7 @@ async fn bench_on(a: BenchArgs) -> Result<()> {
     };
     let line = |d: &bench::Drain| {
         say(&format!(
-            "round {} · {} concurrency {}: {} steps in {:.1} s = {:.0} steps/s{}, {:.2} commits/step, {:.0} WAL B/step, {:.2} fsyncs/step",
+            "round {} · {} concurrency {}: {} steps in {:.1} s = {:.0} steps/s{}, {} POSTs/step, {:.2} commits/step, {:.0} WAL B/step, {:.2} machine CPU ms/step, {:.0} disk B/step",
             d.round,
             d.system,
             d.concurrency,
@@ -206,41 +218,54 @@ async fn bench_on(a: BenchArgs) -> Result<()> {
             d.seconds,
             d.steps_per_second,
             if d.capped { " (time cap)" } else { "" },
+            d.posts_per_step
+                .map_or("no".to_owned(), |p| format!("{p:.3}")),
             d.commits_per_step,
             d.wal_bytes_per_step,
-            d.fsyncs_per_step
+            d.machine_cpu_ms_per_step,
+            d.disk_bytes_per_step,
         ))
     };
     if part("drain") {
         for round in 1..=a.rounds {
             for &c in &a.concurrency {
-                let f = bench::pgbench_floor(round, c, a.floor_seconds).await?;
-                say(&format!(
-                    "round {round} · pgbench {c} clients: {:.0} TPS",
-                    f.tps
-                ));
-                report.floors.push(f);
-                for mode in bench::Mode::ALL {
-                    if !a.systems.iter().any(|s| s == mode.name()) {
-                        continue;
+                for &shape in &a.shapes {
+                    for mode in bench::Mode::ALL {
+                        if !wants(mode.name()) {
+                            continue;
+                        }
+                        let d =
+                            bench::z29c_drain(round, a.steps, shape, c, a.cap, mode, &sink).await?;
+                        line(&d);
+                        report.drains.push(d);
                     }
-                    let d = bench::z29c_drain(
-                        round,
-                        a.steps,
-                        bench::STEPS_PER_WORKFLOW,
-                        c,
-                        a.cap,
-                        mode,
-                    )
-                    .await?;
-                    line(&d);
-                    report.drains.push(d);
+                    if wants("restate") {
+                        let peers = peers.as_ref().context("Restate installed")?;
+                        let d = bench::engines::restate_drain(
+                            peers, round, a.steps, shape, c, a.cap, &sink,
+                        )
+                        .await?;
+                        line(&d);
+                        report.drains.push(d);
+                    }
+                    if let Some(dbos) = &dbos {
+                        let d = bench::engines::dbos_drain(
+                            dbos, round, a.steps, shape, c, a.cap, &sink,
+                        )
+                        .await?;
+                        line(&d);
+                        report.drains.push(d);
+                    }
+                    save(&report)?;
                 }
                 for &p in &peers_wanted {
                     let peers = peers.as_ref().context("peers installed")?;
-                    let d = bench::peers::drain(peers, p, round, a.steps, c, a.cap).await?;
-                    line(&d);
-                    report.drains.push(d);
+                    for posting in [None, Some(&sink)] {
+                        let d = bench::peers::drain(peers, p, round, a.steps, c, a.cap, posting)
+                            .await?;
+                        line(&d);
+                        report.drains.push(d);
+                    }
                 }
                 save(&report)?;
             }
@@ -255,6 +280,10 @@ async fn bench_on(a: BenchArgs) -> Result<()> {
         };
         for &load in &loads {
             for system in &a.systems {
+                if system == "restate" || system == "dbos" {
+                    // drains only: no open-loop producer drives them here
+                    continue;
+                }
                 let rate = match a.rate {
                     Some(rate) => rate,
                     None => {
@@ -267,7 +296,7 @@ async fn bench_on(a: BenchArgs) -> Result<()> {
                             scale_by = format!("{system} 1-step");
                             if report.drain_median(&scale_by, c).is_none() {
                                 let n = a.steps.min(ONE_STEP_DRAIN);
-                                let d = bench::z29c_drain(1, n, 1, c, a.cap, mode).await?;
+                                let d = bench::z29c_drain(1, n, 1, c, a.cap, mode, &sink).await?;
                                 line(&d);
                                 report.drains.push(d);
                                 save(&report)?;

@@ -1,6 +1,7 @@
 //! The Postgres queues z29c is compared with, driven through `crates/bench/peers/peer.mjs`: each
-//! through its own documented API, with no-op jobs, installed by the harness with `npm ci`
-//! from the committed lock file. Every run gets a database of its own.
+//! through its own documented API, with no-op jobs or jobs that make the sink's one POST,
+//! installed by the harness with `npm ci` from the committed lock file (which holds Restate's
+//! server and SDK too, for [`super::engines`]). Every run gets a database of its own.
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -9,7 +10,8 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use anyhow::{Context, Result, bail};
 use serde_json::json;
 
-use super::{Counters, Drain, Latency, Reclaim, Warmup, latency_from, proc_usage};
+use super::sink::Sink;
+use super::{Counters, Drain, Latency, Machine, Reclaim, Warmup, latency_from, proc_usage};
 use z29c_scenarios::TestDatabase;
 
 /// A peer system.
@@ -88,19 +90,35 @@ impl Peers {
         Ok(Self { dir, logs })
     }
 
-    fn command(
+    /// The installed Restate server's binary.
+    pub(crate) fn restate_server(&self) -> PathBuf {
+        self.dir.join("node_modules/.bin/restate-server")
+    }
+
+    /// Where runs write their logs.
+    pub(crate) fn logs(&self) -> &Path {
+        &self.logs
+    }
+
+    /// A log file of this run's, appended to.
+    pub(crate) fn log(&self, name: &str) -> Result<std::fs::File> {
+        Ok(std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.logs.join(format!("{name}.log")))?)
+    }
+
+    /// `node peer.mjs <system> <mode> <args>`, its output to the system's log.
+    pub(crate) fn node(
         &self,
-        peer: Peer,
+        system: &str,
         mode: &str,
         args: serde_json::Value,
     ) -> Result<tokio::process::Command> {
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(self.logs.join(format!("{}.log", peer.name())))?;
+        let log = self.log(system)?;
         let mut cmd = tokio::process::Command::new("node");
         cmd.arg(self.dir.join("peer.mjs"))
-            .args([peer.name(), mode, &args.to_string()])
+            .args([system, mode, &args.to_string()])
             .current_dir(&self.dir)
             .env(super::CLIENT_TLS.0, super::CLIENT_TLS.1)
             .stdin(Stdio::null())
@@ -108,6 +126,15 @@ impl Peers {
             .stderr(log)
             .kill_on_drop(true);
         Ok(cmd)
+    }
+
+    fn command(
+        &self,
+        peer: Peer,
+        mode: &str,
+        args: serde_json::Value,
+    ) -> Result<tokio::process::Command> {
+        self.node(peer.name(), mode, args)
     }
 
     async fn run(&self, peer: Peer, mode: &str, args: serde_json::Value) -> Result<()> {
@@ -137,7 +164,8 @@ pub(super) fn libpq_url(db: &TestDatabase) -> String {
     db.url().split('?').next().unwrap_or_default().to_owned()
 }
 
-async fn stop(mut child: tokio::process::Child) {
+/// Stops `child` with SIGTERM, and SIGKILL after 10 s.
+pub(crate) async fn stop(mut child: tokio::process::Child) {
     if let Some(pid) = child.id() {
         // SIGTERM: each driver stops its worker the documented way
         let _ = std::process::Command::new("kill")
@@ -152,7 +180,8 @@ async fn stop(mut child: tokio::process::Child) {
     }
 }
 
-/// Drains `jobs` pre-loaded no-op jobs at `concurrency`, stopping at `cap`.
+/// Drains `jobs` pre-loaded jobs at `concurrency`, stopping at `cap`: no-op jobs, or, with
+/// `sink`, jobs that each make one POST there (reported as `<peer> POST`).
 pub async fn drain(
     peers: &Peers,
     peer: Peer,
@@ -160,6 +189,7 @@ pub async fn drain(
     jobs: usize,
     concurrency: usize,
     cap: Duration,
+    sink: Option<&Sink>,
 ) -> Result<Drain> {
     let db = TestDatabase::create().await?;
     let result = async {
@@ -170,11 +200,12 @@ pub async fn drain(
         let pool = db.pool(2).await?;
         tokio::time::sleep(Duration::from_millis(1_500)).await;
         let before = Counters::take(&pool).await?;
+        let posts_before = sink.map(Sink::received);
         let start = Instant::now();
         let worker = peers.spawn(
             peer,
             "work",
-            json!({ "url": url, "concurrency": concurrency }),
+            json!({ "url": url, "concurrency": concurrency, "sink": sink.map(Sink::url) }),
         )?;
         let pid = worker.id().map(|p| p as i32);
         let mut polls = 0;
@@ -189,13 +220,20 @@ pub async fn drain(
         }
         let seconds = start.elapsed().as_secs_f64();
         let usage = pid.and_then(proc_usage);
+        let machine = Machine::take()?;
+        let posts = sink.map(Sink::received);
         stop(worker).await;
         tokio::time::sleep(Duration::from_millis(1_500)).await;
-        let after = Counters::take(&pool).await?;
+        let mut after = Counters::take(&pool).await?;
+        after.machine = machine;
         pool.close().await;
         let done = jobs - left.max(0) as usize;
-        Ok(Drain::from_counters(
-            peer.name(),
+        let system = match sink {
+            Some(_) => format!("{} POST", peer.name()),
+            None => peer.name().to_owned(),
+        };
+        let mut d = Drain::from_counters(
+            &system,
             round,
             concurrency,
             done,
@@ -207,7 +245,11 @@ pub async fn drain(
             usage
                 .map(|(rss, cpu)| vec![("node worker".to_owned(), rss, cpu)])
                 .unwrap_or_default(),
-        ))
+        );
+        if let (Some(b), Some(a)) = (posts_before, posts) {
+            d.posts_per_step = Some((a - b) as f64 / done.max(1) as f64);
+        }
+        Ok(d)
     }
     .await;
     db.drop_now().await?;
