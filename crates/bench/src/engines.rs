@@ -11,7 +11,8 @@
 //!
 //! Both are drained as z29c is: the work is loaded first, and the drain's clock starts when it
 //! may begin. Restate's steps count as done when the sink has received their POSTs (its last
-//! journal entry follows each by a moment); DBOS's when DBOS marks the workflow a success.
+//! journal entry follows each by a moment; the POSTs per step are counted again once the work
+//! has settled, so a step sent twice shows); DBOS's when DBOS marks the workflow a success.
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -99,7 +100,7 @@ pub async fn restate_drain(
         .join(format!("restate-{}", uuid::Uuid::new_v4()));
     let (ingress, admin, node, endpoint) = (free_port()?, free_port()?, free_port()?, free_port()?);
     let log = peers.log("restate-server")?;
-    let server = tokio::process::Command::new(peers.restate_server())
+    let server = tokio::process::Command::new(peers.restate_server()?)
         .arg("--no-logo")
         .env("RESTATE_BASE_DIR", &base)
         .env(
@@ -184,6 +185,10 @@ pub async fn restate_drain(
         })
         .collect();
         let done = posted.min(steps);
+        // a step whose POST was sent twice ends the count early by one; what arrives once
+        // the work has settled says so (more than one POST per step)
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let posted = (sink.received() - posts_before) as usize;
         let mut d = Drain::without_postgres(
             &format!("restate {shape}-step"),
             round,
@@ -225,11 +230,9 @@ impl Dbos {
         let wanted = std::fs::read(source.join("dbos-requirements.txt"))?;
         let venv = dir.join("venv");
         let python = venv.join("bin/python");
-        let fresh = std::fs::read(dir.join("dbos-requirements.txt"))
-            .ok()
-            .as_ref()
-            != Some(&wanted)
-            || !python.exists();
+        // the installed requirements are recorded once pip has installed them
+        let marker = venv.join("installed-requirements.txt");
+        let fresh = std::fs::read(&marker).ok().as_ref() != Some(&wanted) || !python.exists();
         for f in ["dbos-requirements.txt", "peer_dbos.py"] {
             std::fs::copy(source.join(f), dir.join(f)).with_context(|| format!("copy {f}"))?;
         }
@@ -252,6 +255,7 @@ impl Dbos {
             if !out.status.success() {
                 bail!("pip install dbos: {}", String::from_utf8_lossy(&out.stderr));
             }
+            std::fs::write(&marker, &wanted)?;
         }
         let logs = under.join("logs");
         std::fs::create_dir_all(&logs)?;
@@ -270,6 +274,8 @@ impl Dbos {
         let mut cmd = tokio::process::Command::new(&self.python);
         cmd.arg(&self.script)
             .args([mode, &args.to_string()])
+            // in plain text, as every system connects (psycopg reads libpq's variables)
+            .env(super::CLIENT_TLS.0, super::CLIENT_TLS.1)
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
             .stderr(log)

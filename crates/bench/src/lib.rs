@@ -48,6 +48,9 @@ pub struct Drain {
     pub disk_bytes_per_step: f64,
     /// Requests the sink received per step; none for a bare queue whose jobs send nothing.
     pub posts_per_step: Option<f64>,
+    /// With `--profile-wal`: the run's WAL by record type, largest first.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub wal_records: Vec<WalRecord>,
     /// (process, peak RSS MiB, CPU seconds)
     pub processes: Vec<(String, f64, f64)>,
 }
@@ -85,6 +88,79 @@ impl Counters {
                 + u64::from_str_radix(lo, 16).unwrap_or(0)) as f64
         }
         lsn(&self.lsn) - lsn(&before.lsn)
+    }
+}
+
+/// One kind of WAL record of a run (`pg_walinspect`), per step.
+#[derive(Debug, Clone, Serialize)]
+pub struct WalRecord {
+    /// Resource manager and record type, e.g. `Heap/HOT_UPDATE`, `Btree/INSERT_LEAF`.
+    pub kind: String,
+    pub records_per_step: f64,
+    /// Bytes per step, full-page images included.
+    pub bytes_per_step: f64,
+    /// Of which full-page images.
+    pub fpi_bytes_per_step: f64,
+}
+
+static PROFILE_WAL: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Every drain from here on also reads its WAL by record type ([`WalRecord`]).
+pub fn profile_wal() {
+    PROFILE_WAL.store(true, std::sync::atomic::Ordering::Relaxed);
+}
+
+impl Counters {
+    /// With `--profile-wal`, the WAL between `before` and `self` by record type, per step
+    /// (the whole server's: a quiet server matters), largest first; none, said why, where it
+    /// cannot be read (no superuser, the WAL already recycled).
+    pub async fn wal_records(
+        &self,
+        pool: &sqlx::PgPool,
+        before: &Self,
+        steps: usize,
+    ) -> Result<Vec<WalRecord>> {
+        if !PROFILE_WAL.load(std::sync::atomic::Ordering::Relaxed) {
+            return Ok(Vec::new());
+        }
+        match self.read_wal_records(pool, before, steps).await {
+            Ok(records) => Ok(records),
+            Err(e) => {
+                z29c_scenarios::say(&format!("no WAL profile: {e:#}"));
+                Ok(Vec::new())
+            }
+        }
+    }
+
+    async fn read_wal_records(
+        &self,
+        pool: &sqlx::PgPool,
+        before: &Self,
+        steps: usize,
+    ) -> Result<Vec<WalRecord>> {
+        sqlx::query("CREATE EXTENSION IF NOT EXISTS pg_walinspect")
+            .execute(pool)
+            .await
+            .context("pg_walinspect (PostgreSQL 15's contrib; a superuser's connection)")?;
+        let rows: Vec<(String, i64, i64, i64)> = sqlx::query_as(
+            "SELECT \"resource_manager/record_type\", count, combined_size, fpi_size
+             FROM pg_get_wal_stats($1::pg_lsn, $2::pg_lsn, true)
+             WHERE count > 0 ORDER BY combined_size DESC",
+        )
+        .bind(&before.lsn)
+        .bind(&self.lsn)
+        .fetch_all(pool)
+        .await?;
+        let per = |v: i64| v as f64 / steps.max(1) as f64;
+        Ok(rows
+            .into_iter()
+            .map(|(kind, count, bytes, fpi)| WalRecord {
+                kind,
+                records_per_step: per(count),
+                bytes_per_step: per(bytes),
+                fpi_bytes_per_step: per(fpi),
+            })
+            .collect())
     }
 }
 
@@ -177,6 +253,7 @@ impl Drain {
             machine_cpu_ms_per_step: per(cpu * 1_000.0),
             disk_bytes_per_step: per(disk),
             posts_per_step: None,
+            wal_records: Vec::new(),
             processes,
         }
     }
@@ -211,6 +288,7 @@ impl Drain {
             machine_cpu_ms_per_step: per(cpu * 1_000.0),
             disk_bytes_per_step: per(disk),
             posts_per_step: None,
+            wal_records: Vec::new(),
             processes,
         }
     }
@@ -536,7 +614,6 @@ pub async fn z29c_drain(
         tokio::time::sleep(Duration::from_millis(1_500)).await;
         let mut after = Counters::take(&pool).await?;
         after.machine = machine_after;
-        pool.close().await;
         let mut d = Drain::from_counters(
             &system,
             round,
@@ -550,6 +627,8 @@ pub async fn z29c_drain(
             processes,
         );
         d.posts_per_step = Some(posts as f64 / done.max(1) as f64);
+        d.wal_records = after.wal_records(&pool, &before, done).await?;
+        pool.close().await;
         anyhow::Ok(d)
     }
     .await;
@@ -829,10 +908,10 @@ pub async fn z29c_reclaim(held: usize) -> Result<Reclaim> {
 }
 
 /// How every system of a run reaches PostgreSQL: without TLS, whatever the server offers. The
-/// peers' Node driver connects in plain text unless told otherwise, while libpq (pgbench) and
-/// sqlx (z29c) encrypt whenever the server has TLS on, as Debian's does: one side paid for TLS
-/// (8 % of PostgreSQL's CPU in a z29c latency run) and the other did not. pgbench and the
-/// peers get this variable; z29c's services get it as their URL's `sslmode`
+/// peers' Node driver connects in plain text unless told otherwise, while libpq (psycopg, for
+/// DBOS) and sqlx (z29c) encrypt whenever the server has TLS on, as Debian's does: one side
+/// paid for TLS (8 % of PostgreSQL's CPU in a z29c latency run) and the other did not. The
+/// peers and DBOS get this variable; z29c's services get it as their URL's `sslmode`
 /// ([`topology`]: the database URLs the harness makes name their `sslmode`, which wins over
 /// the variable).
 pub(crate) const CLIENT_TLS: (&str, &str) = ("PGSSLMODE", "disable");
@@ -855,6 +934,15 @@ pub async fn server_settings() -> Result<String> {
         "{line}; every system connects without TLS ({}={})",
         CLIENT_TLS.0, CLIENT_TLS.1
     ))
+}
+
+/// `v` with `digits` decimals, or `-` for a figure a system has not (`NaN`).
+pub fn or_dash(v: f64, digits: usize) -> String {
+    if v.is_nan() {
+        "-".to_owned()
+    } else {
+        format!("{v:.digits$}")
+    }
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -882,6 +970,7 @@ impl Report {
             fsyncs_per_step: m(|d| d.fsyncs_per_step),
             machine_cpu_ms_per_step: m(|d| d.machine_cpu_ms_per_step),
             disk_bytes_per_step: m(|d| d.disk_bytes_per_step),
+            // the most any round saw: one round's duplicate shows
             posts_per_step: ds
                 .iter()
                 .filter_map(|d| d.posts_per_step)
@@ -914,7 +1003,7 @@ impl Report {
                 continue;
             };
             for other in ["restate", "dbos"] {
-                if let Some(o) = rate(&format!("{other} {shape}-step")) {
+                if let Some(o) = rate(&format!("{other} {shape}-step")).filter(|o| *o > 0.0) {
                     out.push_str(&format!(
                         "{c:>11} | z29c ÷ {other}, {shape}-step workflows: {:.2}\n",
                         z / o
@@ -957,13 +1046,6 @@ impl Report {
     /// time per step, z29c's ratios against the others, then latency and re-claim.
     pub fn table(&self) -> String {
         let mut out = format!("PostgreSQL: {}\n", self.server);
-        let dash = |v: f64, digits: usize| {
-            if v.is_nan() {
-                "-".to_owned()
-            } else {
-                format!("{v:.digits$}")
-            }
-        };
         out.push_str(
             "concurrency | system                | steps/s | POSTs/step | commits/step | WAL B/step | machine CPU ms/step | disk B/step | peak RSS MiB (max process)\n\
              ------------|-----------------------|---------|------------|--------------|------------|---------------------|-------------|---------------------------\n",
@@ -979,13 +1061,30 @@ impl Report {
                     d.steps_per_second,
                     if d.capped { "*" } else { "" },
                     d.posts_per_step.map_or("-".to_owned(), |p| format!("{p:.3}")),
-                    dash(d.commits_per_step, 2),
-                    dash(d.wal_bytes_per_step, 0),
+                    or_dash(d.commits_per_step, 2),
+                    or_dash(d.wal_bytes_per_step, 0),
                     d.machine_cpu_ms_per_step,
                     d.disk_bytes_per_step,
                 ));
             }
             out.push_str(&self.targets(c));
+            for system in self.systems() {
+                let Some(d) = self.drains.iter().find(|d| {
+                    d.system == system && d.concurrency == c && !d.wal_records.is_empty()
+                }) else {
+                    continue;
+                };
+                out.push_str(&format!(
+                    "{c:>11} | {system}, WAL by record type (round {}): records/step, B/step (of which full-page images)\n",
+                    d.round
+                ));
+                for r in d.wal_records.iter().take(12) {
+                    out.push_str(&format!(
+                        "            |   {:<32} {:>6.2} {:>7.0} ({:.0})\n",
+                        r.kind, r.records_per_step, r.bytes_per_step, r.fpi_bytes_per_step
+                    ));
+                }
+            }
         }
         out.push_str(&format!(
             "medians over {} rounds (A B A B: each system in turn, per concurrency); * = stopped at the time cap\n",

@@ -96,6 +96,10 @@ struct BenchArgs {
     /// mean time and rows, over every system the run measured.
     #[arg(long)]
     profile_statements: bool,
+    /// Read each drain's WAL by record type (`pg_walinspect`) and print the largest kinds
+    /// per step, full-page images apart.
+    #[arg(long)]
+    profile_wal: bool,
     /// Where the JSON report goes; the plot goes beside it (`.svg`).
     #[arg(long, default_value = "target/bench/bench.json")]
     out: std::path::PathBuf,
@@ -139,6 +143,9 @@ const ONE_STEP_DRAIN: usize = 3_000;
 
 async fn bench_on(a: BenchArgs) -> Result<()> {
     use z29c_bench::{self as bench, peers::Peer};
+    if a.profile_wal {
+        bench::profile_wal();
+    }
     if a.steps == 0 || a.concurrency.contains(&0) || a.rounds == 0 || a.shapes.contains(&0) {
         bail!("--steps, --concurrency, --rounds and --shapes must be positive");
     }
@@ -210,7 +217,7 @@ async fn bench_on(a: BenchArgs) -> Result<()> {
     };
     let line = |d: &bench::Drain| {
         say(&format!(
-            "round {} · {} concurrency {}: {} steps in {:.1} s = {:.0} steps/s{}, {} POSTs/step, {:.2} commits/step, {:.0} WAL B/step, {:.2} machine CPU ms/step, {:.0} disk B/step",
+            "round {} · {} concurrency {}: {} steps in {:.1} s = {:.0} steps/s{}, {} POSTs/step, {} commits/step, {} WAL B/step, {:.2} machine CPU ms/step, {:.0} disk B/step",
             d.round,
             d.system,
             d.concurrency,
@@ -220,8 +227,8 @@ async fn bench_on(a: BenchArgs) -> Result<()> {
             if d.capped { " (time cap)" } else { "" },
             d.posts_per_step
                 .map_or("no".to_owned(), |p| format!("{p:.3}")),
-            d.commits_per_step,
-            d.wal_bytes_per_step,
+            bench::or_dash(d.commits_per_step, 2),
+            bench::or_dash(d.wal_bytes_per_step, 0),
             d.machine_cpu_ms_per_step,
             d.disk_bytes_per_step,
         ))

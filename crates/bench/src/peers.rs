@@ -69,8 +69,9 @@ impl Peers {
         let dir = under.join("peers");
         std::fs::create_dir_all(&dir)?;
         let lock = std::fs::read(source.join("package-lock.json"))?;
-        let fresh = std::fs::read(dir.join("package-lock.json")).ok().as_ref() != Some(&lock)
-            || !dir.join("node_modules").exists();
+        // the lock file npm ci installed from is recorded once it has
+        let marker = dir.join("node_modules/.installed-lock.json");
+        let fresh = std::fs::read(&marker).ok().as_ref() != Some(&lock);
         for f in ["package.json", "package-lock.json", "peer.mjs"] {
             std::fs::copy(source.join(f), dir.join(f)).with_context(|| format!("copy {f}"))?;
         }
@@ -84,15 +85,27 @@ impl Peers {
             if !out.status.success() {
                 bail!("npm ci: {}", String::from_utf8_lossy(&out.stderr));
             }
+            std::fs::write(&marker, &lock)?;
         }
         let logs = under.join("logs");
         std::fs::create_dir_all(&logs)?;
         Ok(Self { dir, logs })
     }
 
-    /// The installed Restate server's binary.
-    pub(crate) fn restate_server(&self) -> PathBuf {
-        self.dir.join("node_modules/.bin/restate-server")
+    /// The installed Restate server's binary: the platform package's own, not npm's Node
+    /// wrapper, so what is measured and stopped is the server itself.
+    pub(crate) fn restate_server(&self) -> Result<PathBuf> {
+        let arch = match std::env::consts::ARCH {
+            "x86_64" => "x64",
+            "aarch64" => "arm64",
+            other => bail!("Restate's npm package has no server for {other}"),
+        };
+        let bin = self.dir.join(format!(
+            "node_modules/@restatedev/restate-server-{}-{arch}/bin/restate-server",
+            std::env::consts::OS
+        ));
+        anyhow::ensure!(bin.exists(), "{} is missing", bin.display());
+        Ok(bin)
     }
 
     /// Where runs write their logs.
@@ -226,8 +239,9 @@ pub async fn drain(
         tokio::time::sleep(Duration::from_millis(1_500)).await;
         let mut after = Counters::take(&pool).await?;
         after.machine = machine;
-        pool.close().await;
         let done = jobs - left.max(0) as usize;
+        let wal_records = after.wal_records(&pool, &before, done).await?;
+        pool.close().await;
         let system = match sink {
             Some(_) => format!("{} POST", peer.name()),
             None => peer.name().to_owned(),
@@ -246,6 +260,7 @@ pub async fn drain(
                 .map(|(rss, cpu)| vec![("node worker".to_owned(), rss, cpu)])
                 .unwrap_or_default(),
         );
+        d.wal_records = wal_records;
         if let (Some(b), Some(a)) = (posts_before, posts) {
             d.posts_per_step = Some((a - b) as f64 / done.max(1) as f64);
         }
