@@ -2,8 +2,9 @@
 //! holds for the attempt its caller names, refuses (`FAILED_PRECONDITION`, audited) a call that
 //! names no attempt or a request that is not the attempt's (its input, identity, operation or
 //! adapter), answers a call for an attempt that does not exist, or under a stale lease, as not
-//! begun (audited), and caps every call's deadline. Nothing refused
-//! reaches the destination, as its own records show.
+//! begun (audited), audits a call for an adapter it does not serve and one that does not parse,
+//! and caps every call's deadline. Nothing refused reaches the destination, as its own records
+//! show.
 
 use std::time::{Duration, Instant};
 
@@ -147,6 +148,33 @@ async fn a_gateway_sends_only_an_attempts_own_request_and_audits_every_other() -
         "{}",
         audited[6]
     );
+    // an adapter this gateway does not serve, and a request that does not parse: refused as
+    // before (NOT_FOUND, INVALID_ARGUMENT), and audited too
+    let unserved = gw
+        .invoke(pb::InvokeRequest {
+            adapter: "payments".into(),
+            ..own.clone()
+        })
+        .await
+        .expect_err("not served here");
+    assert_eq!(unserved.code(), Code::NotFound, "{unserved:?}");
+    let garbled = gw
+        .invoke(pb::InvokeRequest {
+            input_json: "{not json".into(),
+            ..own.clone()
+        })
+        .await
+        .expect_err("does not parse");
+    assert_eq!(garbled.code(), Code::InvalidArgument, "{garbled:?}");
+    let audited: Vec<String> = sqlx::query_scalar(
+        "SELECT detail FROM audit_log WHERE action = 'invoke' AND outcome = 'refused'
+         ORDER BY id",
+    )
+    .fetch_all(&pool)
+    .await?;
+    assert_eq!(audited.len(), 9, "every refusal audited: {audited:#?}");
+    assert!(audited[7].starts_with("adapter: "), "{}", audited[7]);
+    assert!(audited[8].contains("input_json"), "{}", audited[8]);
     assert_eq!(
         cluster.requests_received().await?,
         before,

@@ -293,14 +293,30 @@ impl Gateway {
         let deadline = tokio::time::Instant::now() + call_timeout(&request, self.max_call());
         let peer = request.remote_addr().map(|a| a.to_string());
         let req = request.into_inner();
-        let adapter = self.adapter(&req.adapter)?;
+        // a call this gateway cannot make is refused as it always was, and audited as every
+        // other refusal
+        let adapter = match self.adapter(&req.adapter) {
+            Ok(adapter) => adapter,
+            Err(status) => {
+                self.audit_refusal(peer, &format!("adapter: {}", status.message()))
+                    .await;
+                return Err(status);
+            }
+        };
         let z29c_proto::validate::ValidInvoke {
             identity,
             input,
             attempt,
             lease,
             ..
-        } = z29c_proto::validate::invoke(&req)?;
+        } = match z29c_proto::validate::invoke(&req) {
+            Ok(valid) => valid,
+            Err(invalid) => {
+                let status = Status::from(invalid);
+                self.audit_refusal(peer, status.message()).await;
+                return Err(status);
+            }
+        };
         // Only an attempt's own request reaches the outside world: the caller names the
         // attempt, and what is sent is what PostgreSQL holds for it.
         let Some(claim) = &lease else {
