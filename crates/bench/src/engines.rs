@@ -267,10 +267,7 @@ impl Dbos {
     }
 
     fn command(&self, mode: &str, args: serde_json::Value) -> Result<tokio::process::Command> {
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(self.logs.join("dbos.log"))?;
+        let log = super::peers::append_log(&self.logs, "dbos")?;
         let mut cmd = tokio::process::Command::new(&self.python);
         cmd.arg(&self.script)
             .args([mode, &args.to_string()])

@@ -273,23 +273,21 @@ impl Drain {
         processes: Vec<(String, f64, f64)>,
     ) -> Self {
         let per = |v: f64| v / steps.max(1) as f64;
-        let (cpu, disk) = after.machine.since(&before.machine);
         Self {
-            system: system.into(),
-            round,
-            concurrency,
-            steps,
-            seconds,
-            steps_per_second: steps as f64 / seconds,
-            capped,
             commits_per_step: per((after.commits - before.commits - harness_queries as i64) as f64),
             wal_bytes_per_step: per(after.wal_bytes_since(before)),
             fsyncs_per_step: per((after.wal_syncs - before.wal_syncs) as f64),
-            machine_cpu_ms_per_step: per(cpu * 1_000.0),
-            disk_bytes_per_step: per(disk),
-            posts_per_step: None,
-            wal_records: Vec::new(),
-            processes,
+            ..Self::without_postgres(
+                system,
+                round,
+                concurrency,
+                steps,
+                seconds,
+                capped,
+                &before.machine,
+                &after.machine,
+                processes,
+            )
         }
     }
 }

@@ -115,10 +115,7 @@ impl Peers {
 
     /// A log file of this run's, appended to.
     pub(crate) fn log(&self, name: &str) -> Result<std::fs::File> {
-        Ok(std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(self.logs.join(format!("{name}.log")))?)
+        append_log(&self.logs, name)
     }
 
     /// `node peer.mjs <system> <mode> <args>`, its output to the system's log.
@@ -170,6 +167,14 @@ impl Peers {
     ) -> Result<tokio::process::Child> {
         Ok(self.command(peer, mode, args)?.spawn()?)
     }
+}
+
+/// `<dir>/<name>.log`, opened for appending.
+pub(crate) fn append_log(dir: &Path, name: &str) -> Result<std::fs::File> {
+    Ok(std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(dir.join(format!("{name}.log")))?)
 }
 
 /// libpq's form of a test database's URL (no sqlx parameters).
